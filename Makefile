@@ -1,0 +1,26 @@
+# make train: trains the demo model (simulated CPU devices when there is no GPU)
+# make test:  the test suite on 8 simulated CPU devices
+# make bench: throughput / compile time / memory of a named config and mesh (BENCH_ARGS=...)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: train test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(PY) -m spmd3d.train $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) -m spmd3d.bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

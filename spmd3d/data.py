@@ -1,0 +1,203 @@
+"""Host-side token data for language-model training.
+
+Everything here is plain numpy on the host. The batch for a training step is a
+pure function of (tokens, seq_len, seed, step, global_batch), so the data a run
+sees does not depend on the device mesh, the number of processes or the number
+of microbatches, and resuming at step ``s`` needs nothing but ``s``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+_CORPUS_CAP = 16 * 1024 * 1024
+_SEPARATOR = b"\n\n"
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
+_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst"})
+_TOKENIZERS = ("bytes",)
+
+
+class DataError(ValueError):
+    """Bad data input, blamed on one config field so the message can point the user at it.
+
+    ``.field`` is the config field to blame (e.g. ``'data.path'``); ``str(e)`` is one line.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = " ".join(str(message).split())  # keep it to one line
+        super().__init__(f"{field}: {self.message}")
+
+
+def _concat_files(files: list[Path], cap: int | None = None) -> bytes:
+    """Concatenate file contents, each followed by a blank-line separator, optionally capped."""
+    parts, total = [], 0
+    for f in files:
+        parts.append(f.read_bytes() + _SEPARATOR)
+        total += len(parts[-1])
+        if cap is not None and total >= cap:
+            break
+    data = b"".join(parts)
+    return data[:cap] if cap is not None else data
+
+
+@functools.cache
+def default_corpus() -> np.ndarray:
+    """The embedded default corpus: byte tokens (vocab 256) of the standard library's ``.py`` sources.
+
+    Every Python install ships it, so training works out of the box with no download. The file list
+    is sorted by relative path (site-packages and the test/tests/idlelib/lib2to3 subtrees excluded
+    to keep it code-like and modest), so the corpus is deterministic for a given Python build.
+    Capped at 16 MiB. The result is cached and read-only.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in root.rglob("*.py")
+         if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    arr = np.frombuffer(_concat_files(files, _CORPUS_CAP), dtype=np.uint8)
+    arr.setflags(write=False)
+    return arr
+
+
+def _check_tokenizer(tokenizer: str) -> None:
+    if tokenizer not in _TOKENIZERS:
+        raise DataError("data.tokenizer", f"unknown tokenizer {tokenizer!r}; supported: {', '.join(_TOKENIZERS)}")
+
+
+def _nonempty(arr: np.ndarray, path: str) -> np.ndarray:
+    if arr.size == 0:
+        raise DataError("data.path", f"{path!r} holds no tokens")
+    return arr
+
+
+def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
+    """Load a 1-D integer token array from ``path``.
+
+    ``''`` gives :func:`default_corpus`. Pre-tokenized files are memory-mapped, never read whole, so
+    corpora larger than host memory work: ``.npy`` (1-D integer), ``.bin``/``.u16`` (raw uint16),
+    ``.u32`` (raw uint32). Any other file, or a directory (recursively, sorted, only
+    .txt/.md/.py/.rst files), is text tokenized with ``tokenizer``; ``'bytes'`` (uint8, vocab 256) is
+    the only one so far. The tokenizer is only checked where text is tokenized.
+    """
+    if path == "":
+        _check_tokenizer(tokenizer)
+        return default_corpus()
+    p = Path(os.path.expanduser(path))
+    if not p.exists():
+        raise DataError("data.path", f"{path!r} does not exist")
+    try:
+        if p.is_dir():
+            _check_tokenizer(tokenizer)
+            files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in _TEXT_SUFFIXES),
+                           key=lambda f: f.relative_to(p).as_posix())
+            if not files:
+                raise DataError("data.path", f"directory {path!r} has no {'/'.join(sorted(_TEXT_SUFFIXES))} files")
+            return _nonempty(np.frombuffer(_concat_files(files), dtype=np.uint8), path)
+        suffix = p.suffix.lower()
+        if suffix == ".npy":
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+            if arr.ndim != 1 or arr.dtype.kind not in "ui":
+                raise DataError("data.path", f"{path!r} must hold a 1-D integer array, got {arr.dtype} {arr.shape}")
+            return _nonempty(arr, path)
+        if suffix in (".bin", ".u16", ".u32"):
+            dtype = np.uint32 if suffix == ".u32" else np.uint16
+            if p.stat().st_size == 0:
+                raise DataError("data.path", f"{path!r} holds no tokens")
+            return _nonempty(np.memmap(p, dtype=dtype, mode="r"), path)
+        _check_tokenizer(tokenizer)
+        return _nonempty(np.frombuffer(p.read_bytes(), dtype=np.uint8), path)
+    except (OSError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError("data.path", f"cannot read {path!r}: {e}") from e
+
+
+class TokenBatches:
+    """Fixed-length training windows drawn from a 1-D token array.
+
+    The corpus is cut into ``W = (N - 1) // seq_len`` non-overlapping windows of ``seq_len + 1``
+    tokens (stride ``seq_len``, so consecutive windows share one token and every token but the
+    first is a label exactly once per epoch); inputs are ``window[:-1]``, labels ``window[1:]``.
+    Each epoch visits every window once in the order ``np.random.default_rng([seed, epoch])
+    .permutation(W)``. Sample ``k`` (global, counting from 0: step ``s`` holds samples
+    ``s*global_batch ... (s+1)*global_batch - 1``) is window ``perm_{k // W}[k % W]``.
+
+    So the batch of a step is a pure function of (tokens, seq_len, seed, step, global_batch):
+    resuming at step ``s`` needs only ``s``, and neither the device mesh nor the number of
+    microbatches changes the data.
+    """
+
+    _PERM_CACHE = 2  # a batch usually touches one epoch, at most two at an epoch boundary
+
+    def __init__(self, tokens, seq_len: int, seed: int, vocab_size: int):
+        tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            raise DataError("data.path", f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        if int(seq_len) < 1:
+            raise DataError("train.seq_len", f"seq_len must be >= 1, got {seq_len}")
+        if int(vocab_size) < 1:
+            raise DataError("model.vocab_size", f"vocab_size must be >= 1, got {vocab_size}")
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self.vocab_size = int(vocab_size)
+        self.num_windows = (tokens.shape[0] - 1) // self.seq_len
+        if self.num_windows < 1:
+            raise DataError("train.seq_len", f"corpus has {tokens.shape[0]} tokens, fewer than one window of "
+                                             f"seq_len + 1 = {self.seq_len + 1}")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Window order of ``epoch``; the last couple are cached since steps walk epochs in order."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            if len(self._perms) >= self._PERM_CACHE:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = perm
+        return perm
+
+    def window_ids(self, step: int, global_batch: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """Window index of each row of this process's slice of the step's global batch."""
+        if global_batch < 1 or global_batch % process_count:
+            raise DataError("train.global_batch", f"global_batch {global_batch} must be a positive multiple "
+                                                  f"of the process count {process_count}")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        b_local = global_batch // process_count
+        k = step * global_batch + process_index * b_local + np.arange(b_local, dtype=np.int64)
+        epochs, pos = np.divmod(k, self.num_windows)
+        ids = np.empty(b_local, dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            ids[sel] = self.permutation(int(e))[pos[sel]]
+        return ids
+
+    def batch(self, step: int, global_batch: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """This process's rows of the step's global batch: int32 ``[global_batch // process_count, seq_len + 1]``.
+
+        Rows ``process_index * b_local ...`` of the global batch, so concatenating all processes'
+        slices in order gives the global batch. Only those rows' windows are read from the
+        (possibly memory-mapped) token array, with one vectorized gather. Token ids are range-checked
+        here, per batch, because scanning a huge memory-mapped corpus up front would be slow.
+        """
+        ids = self.window_ids(step, global_batch, process_index, process_count)
+        index = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
+        rows = np.asarray(self.tokens[index])
+        if rows.size:
+            hi = rows.max()
+            if hi >= self.vocab_size:
+                raise DataError("data.path", f"token id {int(hi)} >= vocab_size {self.vocab_size} "
+                                             f"(step {step}, window {int(ids[(rows >= self.vocab_size).any(1)][0])})")
+            if rows.dtype.kind == "i" and rows.min() < 0:
+                raise DataError("data.path", f"negative token id {int(rows.min())} (step {step})")
+        return rows.astype(np.int32)

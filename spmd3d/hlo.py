@@ -1,0 +1,129 @@
+"""Read a compiled step: its collectives (kind, bytes, mesh axes) and per-device memory.
+
+Tests assert on these numbers because, unlike timings, they do not depend on machine load.
+Collectives inside a `while` body (the layer scan, microbatch loop) appear once in the text;
+each record names its computation so a caller can weight loop bodies by their trip counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+          "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (?P<shape>\([^=]*?\)|\S+) "
+                 r"(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\((?P<rest>.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    bytes: int  # size of the result, per device
+    axes: tuple  # mesh axes it communicates over (size-1 axes never listed), () if unknown
+    computation: str  # HLO computation holding it (a while body for ops inside a scan)
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * _BYTES.get(dtype, 4)
+    return total
+
+
+def _groups(rest: str):
+    # Shardy's form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: device ids laid out
+    # as iota over those sizes; a group is the devices that differ along the braced axes.
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?\s*\{([^}]*)\}", rest)
+    if m:
+        dims = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [d[0] for d in dims], [int(d[1]) for d in dims]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        if m.group(2):
+            perm = [int(x) for x in m.group(2).split(",")]
+            ids, names = ids.transpose(perm), [names[p] for p in perm]
+        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        rest_axes = [i for i in range(len(names)) if i not in chosen]
+        ids = ids.transpose(rest_axes + chosen)
+        size = int(np.prod([ids.shape[len(rest_axes) + k] for k in range(len(chosen))]))
+        return [tuple(g) for g in ids.reshape(-1, size).tolist()]
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        out_shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod(out_shape))).reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return [tuple(g) for g in ids.reshape(out_shape[0], -1)]
+    m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", rest)
+    if m:
+        return [tuple(int(x) for x in g.split(",") if x.strip())
+                for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+    if m:
+        return [tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)", m.group(0))]
+    return None
+
+
+def _axes_of(groups, kind: str, mesh_shape: dict) -> tuple:
+    """Which mesh axes a collective's device groups span (devices numbered in mesh order)."""
+    if not groups:
+        return ()
+    names = [a for a, n in mesh_shape.items() if n > 1]
+    ids = np.arange(int(np.prod(list(mesh_shape.values())))).reshape(list(mesh_shape.values()))
+    coords = {int(i): dict(zip(mesh_shape, np.unravel_index(i, ids.shape))) for i in ids.flat}
+    if kind == "collective-permute":  # pairs: the axes along which source and target differ
+        diff = {a for s, t in groups for a in mesh_shape if coords[s][a] != coords[t][a]}
+        return tuple(a for a in names if a in diff)
+    want = {frozenset(g) for g in groups}
+    for r in range(1, len(names) + 1):
+        for subset in itertools.combinations(names, r):
+            keep = [i for i, a in enumerate(mesh_shape) if a not in subset]
+            moved = np.moveaxis(ids, [list(mesh_shape).index(a) for a in subset],
+                                range(len(keep), len(mesh_shape)))
+            size = int(np.prod([mesh_shape[a] for a in subset]))
+            if {frozenset(g) for g in moved.reshape(-1, size).tolist()} == want:
+                return subset
+    return ()
+
+
+def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
+    """Every collective op of an HLO module text (`compiled.as_text()`)."""
+    out, comp = [], "?"
+    for line in hlo_text.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)
+        c = _COMP.match(line)
+        if c and " = " not in line:
+            comp = c.group(1)
+            continue
+        m = _OP.match(line)
+        if m:
+            kind = m.group("kind")
+            axes = _axes_of(_groups(m.group("rest")), kind, dict(mesh_shape))
+            out.append(Collective(kind, _shape_bytes(m.group("shape")), axes, comp))
+    return out
+
+
+def summary(colls: list[Collective]) -> Counter:
+    """{(kind, axes): count}."""
+    return Counter((c.kind, c.axes) for c in colls)
+
+
+def memory(compiled) -> dict:
+    """Per-device bytes of a compiled function: arguments, outputs, temporaries."""
+    ma = compiled.memory_analysis()
+    return {
+        "argument_bytes": int(ma.argument_size_in_bytes),
+        "output_bytes": int(ma.output_size_in_bytes),
+        "temp_bytes": int(ma.temp_size_in_bytes),
+        "alias_bytes": int(ma.alias_size_in_bytes),
+        "total_bytes": int(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                           + ma.temp_size_in_bytes - ma.alias_size_in_bytes),
+    }

@@ -1,0 +1,221 @@
+"""A LLaMA-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head.
+
+Shapes live in names: B batch, T/S query/key length, D d_model, K kv heads, G query heads per kv
+head, H head dim, F d_ff, V vocab, L layers. Every parameter carries its logical axis names in
+its `axes` metadata; `sharding.py` maps them to mesh axes. Parameters are stored in
+`param_dtype` (fp32 master weights) and cast to the compute `dtype` where they are used.
+
+The blocks share one parameter tree stacked on a leading `layers` dim ([L, ...], the canonical
+layout) and run with `lax.scan`: one compiled block, whatever the depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from .config import ModelConfig
+from .sharding import Param, constrain, current_layout, use_param
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # keep matmul outputs (no batch dims: the projections, not the attention scores)
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _use(p: Param, dtype):
+    """The value of parameter `p` as a matmul input (see `sharding.use_param`)."""
+    return use_param(p[...], p.get_metadata("axes"), dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> Param:
+    value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return Param(value, axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        self.scale = Param(jnp.ones((cfg.d_model,), cfg.param_dtype), axes=("embed",))
+
+    def __call__(self, x_btd):
+        # statistics in fp32 whatever the compute dtype
+        x = x_btd.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * _use(self.scale, jnp.float32)).astype(x_btd.dtype)
+
+
+def rope_tables(positions_bt, head_dim: int, theta: float):
+    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T]."""
+    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angle = positions_bt.astype(jnp.float32)[..., None] * freq
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def apply_rope(x, cos_bth, sin_bth):
+    """Rotate pairs (first half, second half) of the last dim of x[B, T, ..., H]."""
+    extra = x.ndim - 3  # head dims between T and H
+    cos = cos_bth.reshape(cos_bth.shape[:2] + (1,) * extra + cos_bth.shape[2:])
+    sin = sin_bth.reshape(sin_bth.shape[:2] + (1,) * extra + sin_bth.shape[2:])
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def causal_attention(q_btkgh, k_bskh, v_bskh):
+    """Dense causal GQA attention; scores and softmax in fp32. -> out[B, T, K, G, H]."""
+    scale = q_btkgh.shape[-1] ** -0.5
+    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    t, s_len = s.shape[-2], s.shape[-1]
+    mask = jnp.arange(t)[:, None] >= jnp.arange(s_len)[None, :]
+    s = jnp.where(mask, s * scale, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v_bskh.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", p, v_bskh)
+
+
+def embed_lookup(table_vd, ids_bt):
+    """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
+
+    A plain gather on a vocab-sharded table makes XLA replicate the table (and all-gather the
+    gradient); instead each shard looks up the ids it owns, zeros the rest, and one psum over
+    the vocab axis combines them (per-device view inside a shard_map manual over that axis).
+    """
+    layout = current_layout()
+    axis = None if layout is None else layout.compute["vocab"]
+    mesh = None if layout is None else (layout.mesh or jax.sharding.get_abstract_mesh())
+    if axis is None or mesh.shape[axis] == 1:
+        return jnp.take(table_vd, ids_bt, axis=0)
+
+    def lookup(table, ids):
+        v = table.shape[0]
+        local = ids - jax.lax.axis_index(axis) * v
+        mine = (local >= 0) & (local < v)
+        rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+        return jax.lax.psum(jnp.where(mine[..., None], rows, 0), axis)
+
+    return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P()), out_specs=P(),
+                         axis_names={axis})(table_vd, ids_bt)
+
+
+class Attention(nnx.Module):
+    """Q, K and V come from one fused weight [D, K, G+2, H]: per kv head, its G query heads,
+    then its key and its value. Splitting `kv_heads` over `tensor` keeps each group whole on one
+    device, and one fused matmul means one input-gradient all-reduce instead of three."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, k, h = cfg.d_model, cfg.num_kv_heads, cfg.dim_per_head
+        self.g = cfg.num_heads // k
+        self.dtype = cfg.dtype
+        self.w_qkv = _param(rngs, (d, k, self.g + 2, h), ("embed", "kv_heads", "q_per_kv", "head_dim"),
+                            cfg.init_std, cfg.param_dtype)
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
+                          out_std, cfg.param_dtype)
+
+    def __call__(self, x_btd, cos, sin):
+        # x[B_data, T, D] · w[D, K_tensor, G+2, H] -> qkv[B_data, T, K_tensor, G+2, H]
+        qkv = jnp.einsum("btd,dkch->btkch", x_btd, _use(self.w_qkv, self.dtype))
+        q = apply_rope(qkv[:, :, :, : self.g], cos, sin)
+        k = apply_rope(qkv[:, :, :, self.g], cos, sin)
+        v = qkv[:, :, :, self.g + 1]
+        q = constrain(q, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        with jax.named_scope("attention"):
+            out = causal_attention(q, k, v)
+        # row-parallel: contracting the tensor-split heads all-reduces (or reduce-scatters) y
+        return jnp.einsum("btkgh,kghd->btd", out, _use(self.w_o, self.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU; gate and up projections fused as [D, 2, F] (one matmul, one all-reduce)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.dtype = cfg.dtype
+        self.w_gate_up = _param(rngs, (cfg.d_model, 2, cfg.d_ff), ("embed", "gate_up", "mlp"),
+                                cfg.init_std, cfg.param_dtype)
+        self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"),
+                             cfg.init_std / (2 * cfg.num_layers) ** 0.5, cfg.param_dtype)
+
+    def __call__(self, x_btd):
+        # x[B_data, T, D] · w[D, 2, F_tensor] -> h[B_data, T, 2, F_tensor]
+        h = jnp.einsum("btd,dcf->btcf", x_btd, _use(self.w_gate_up, self.dtype))
+        a = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+        a = constrain(a, ("batch", "length", "mlp"))
+        return jnp.einsum("btf,fd->btd", a, _use(self.w_down, self.dtype))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_btd, cos, sin):
+        # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
+        # Under SP the norms run on T_res-split activations; entering attention or the MLP
+        # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
+        # are reduce-scattered back into the residual stream.
+        res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
+        h = constrain(constrain(self.attn_norm(x_btd), res), full)
+        x = constrain(x_btd + self.attn(h, cos, sin), res)
+        h = constrain(constrain(self.mlp_norm(x), res), full)
+        return constrain(x + self.mlp(h), res)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = "none"):
+        self.cfg = cfg
+        self.remat = remat
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                            cfg.init_std, cfg.param_dtype)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg)
+        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                           cfg.init_std, cfg.param_dtype)
+
+    def __call__(self, tokens_bt, positions_bt=None):
+        """tokens[B, T] -> logits[B, T, V] in fp32."""
+        cfg = self.cfg
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        with jax.named_scope("embed"):
+            x = embed_lookup(_use(self.embed, cfg.param_dtype), tokens_bt).astype(cfg.dtype)
+            x = constrain(x, ("batch", "res_length", "embed"))
+        cos, sin = rope_tables(positions_bt, cfg.dim_per_head, cfg.rope_theta)
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x, params):
+            return nnx.merge(graphdef, params)(x, cos, sin), None
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, stacked)
+
+        with jax.named_scope("head"):
+            x = self.final_norm(x)
+            logits = jnp.einsum("btd,dv->btv", x, _use(self.head, cfg.dtype),
+                                preferred_element_type=jnp.float32)
+            return constrain(logits, ("batch", "length", "vocab"))
+
+
+def init_params(cfg: ModelConfig, seed: int, remat: str = "none"):
+    """(graphdef, params State). A pure function of the seed and the canonical layout only."""
+    model = Transformer(cfg, nnx.Rngs(params=seed), remat=remat)
+    return nnx.split(model)
+
+
+def abstract_model(cfg: ModelConfig, remat: str = "none"):
+    """(graphdef, State of ShapeDtypeStruct-valued Variables), without allocating anything."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0), remat=remat)))

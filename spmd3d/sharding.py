@@ -1,0 +1,244 @@
+"""Logical axis names -> mesh axes: the one rules table, and ZeRO as variations of it.
+
+Modules annotate parameters and activations with logical names only (`embed`, `mlp`, ...).
+`Rules` maps them to mesh axes. The ZeRO stages differ only in which tables parameters,
+gradients and optimizer state use:
+
+| ZeRO | parameters            | gradients             | optimizer state        |
+|------|-----------------------|-----------------------|------------------------|
+| 0    | compute               | compute               | compute                |
+| 1    | compute               | compute               | + `embed` over `data`  |
+| 2    | compute               | + `embed` over `data` | + `embed` over `data`  |
+| 3    | + `embed` over `data` | + `embed` over `data` | + `embed` over `data`  |
+
+Sharding gradients over `data` turns their all-reduce into a reduce-scatter; sharding the
+parameters makes XLA all-gather each layer's weights inside the layer scan (FSDP).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .mesh import DATA, SEQ, STAGE, TENSOR
+
+LOGICAL_NAMES = (
+    "batch", "length", "res_length", "embed", "heads", "kv_heads", "q_per_kv", "head_dim",
+    "mlp", "vocab", "layers", "gate_up",
+)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """A table from logical names to a mesh axis (or a tuple of axes, or None = replicated)."""
+
+    table: tuple  # ((logical name, mesh axes), ...): frozen, hashable
+
+    def __getitem__(self, name):
+        for k, v in self.table:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    def spec(self, names) -> P:
+        """PartitionSpec for a tuple of logical names; unknown names and reused axes raise."""
+        out, used = [], set()
+        for n in names:
+            if n is None:
+                out.append(None)
+                continue
+            if n not in LOGICAL_NAMES:
+                raise ValueError(f"unknown logical axis name {n!r} in {names}")
+            axes = self[n]
+            flat = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+            if used & set(flat):
+                raise ValueError(f"mesh axis used twice in {names}: {used & set(flat)}")
+            used |= set(flat)
+            out.append(axes)
+        return P(*out)
+
+    def with_(self, **changes) -> "Rules":
+        return Rules(tuple((k, changes.get(k, v)) for k, v in self.table))
+
+
+def compute_rules(sequence_parallel: bool = False) -> Rules:
+    """How activations and (ZeRO-0) parameters are laid out while the model runs.
+
+    `res_length` is the sequence dim of the residual stream, where the norms run: with
+    Megatron sequence parallelism it is also split over `tensor`, so XLA turns each
+    row-parallel all-reduce into a reduce-scatter and gathers again before the next matmul.
+    """
+    return Rules((
+        ("batch", DATA),
+        ("length", SEQ),
+        ("res_length", (SEQ, TENSOR) if sequence_parallel else SEQ),
+        ("embed", None),
+        ("heads", TENSOR),
+        ("kv_heads", TENSOR),
+        ("q_per_kv", None),
+        ("head_dim", None),
+        ("mlp", TENSOR),
+        ("vocab", TENSOR),
+        ("layers", STAGE),
+        ("gate_up", None),
+    ))
+
+
+@dataclass(frozen=True)
+class ZeroRules:
+    """The tables for one ZeRO stage."""
+
+    compute: Rules
+    params: Rules
+    grads: Rules
+    opt: Rules
+
+
+def zero_rules(zero_stage: int, sequence_parallel: bool = False) -> ZeroRules:
+    base = compute_rules(sequence_parallel)
+    sharded = base.with_(embed=DATA)
+    return ZeroRules(
+        compute=base,
+        params=sharded if zero_stage >= 3 else base,
+        grads=sharded if zero_stage >= 2 else base,
+        opt=sharded if zero_stage >= 1 else base,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters: logical names live in the `axes` metadata of each nnx.Variable
+
+class Param(nnx.Param):
+    """A parameter whose `axes` metadata names its dims logically, e.g. ("embed", "mlp").
+
+    Stacking with nnx.vmap/nnx.scan (`transform_metadata={nnx.PARTITION_NAME: "layers"}`)
+    inserts the new dim's name, so the stacked blocks read ("layers", "embed", "mlp").
+    """
+
+    def add_axis(self, index: int, name) -> None:
+        axes = list(self.get_metadata("axes"))
+        axes.insert(index, name)
+        self.set_metadata("axes", tuple(axes))
+
+    def remove_axis(self, index: int, name) -> None:
+        axes = list(self.get_metadata("axes"))
+        axes.pop(index)
+        self.set_metadata("axes", tuple(axes))
+
+
+def logical_axes(state):
+    """Pytree (same structure as an nnx.State of Variables) of logical-name tuples."""
+    return jax.tree.map(lambda v: v.get_metadata("axes"), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def tree_shardings(state, rules: Rules, mesh):
+    """NamedShardings for every Variable of `state` under `rules`."""
+    return jax.tree.map(lambda v: NamedSharding(mesh, rules.spec(v.get_metadata("axes"))), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# ---------------------------------------------------------------------------------------------
+# inside the step: activations and parameter uses follow the rules of the current trace
+
+@dataclass(frozen=True)
+class Layout:
+    compute: Rules  # activations, and parameters where they are used
+    grads: Rules  # parameter cotangents
+    mesh: object  # a Mesh, or None for the context mesh of `jax.set_mesh`
+
+    def sharding(self, spec: P):
+        return spec if self.mesh is None else NamedSharding(self.mesh, spec)
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd3d_layout", default=None)
+
+
+@contextmanager
+def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None):
+    """While tracing inside this block, `constrain` and `use_param` lay arrays out by `rules`
+    (gradients by `grads`, default `rules`) on `mesh`. Without it both are no-ops, so the
+    model also runs unsharded (one device, a notebook)."""
+    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_layout() -> Layout | None:
+    return _ACTIVE.get()
+
+
+def constrain(x, names):
+    """Pin activation `x` to the layout its logical `names` map to; a no-op without rules."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.sharding(layout.compute.spec(names)))
+
+
+def _relayout(dtype, fwd, bwd):
+    """Identity up to a cast, laid out `fwd`; its cotangent is cast back and laid out `bwd`."""
+
+    @jax.custom_vjp
+    def relayout(x):
+        return jax.lax.with_sharding_constraint(x.astype(dtype), fwd)
+
+    def relayout_fwd(x):
+        return relayout(x), jnp.zeros((), x.dtype)
+
+    def relayout_bwd(x_dtype_witness, ct):
+        return (jax.lax.with_sharding_constraint(ct.astype(x_dtype_witness.dtype), bwd),)
+
+    relayout.defvjp(relayout_fwd, relayout_bwd)
+    return relayout
+
+
+def use_param(value, names, dtype):
+    """A stored parameter as used by a matmul: cast to the compute dtype and laid out by the
+    compute rules (under ZeRO-3 this is the per-layer all-gather, in the compute dtype); its
+    gradient goes straight to the gradient layout in the parameter's dtype (under ZeRO-2/3 a
+    reduce-scatter per layer, inside the backward layer loop, instead of a full all-reduce).
+    Inside the layer scan the leading `layers` name is dropped to match the sliced value."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        return value.astype(dtype)
+    names = tuple(names)[len(names) - value.ndim:]
+    fwd = layout.sharding(layout.compute.spec(names))
+    bwd = layout.sharding(layout.grads.spec(names))
+    return _relayout(dtype, fwd, bwd)(value)
+
+
+def describe(params, rules: "ZeroRules", mesh) -> list[dict]:
+    """Where every parameter lives: one row per parameter with its path, global shape, logical
+    names, mesh axes (compute / stored / optimizer state) and the per-device shape it stores."""
+    rows = []
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, var in flat:
+        names = var.get_metadata("axes")
+        stored = NamedSharding(mesh, rules.params.spec(names))
+        rows.append({
+            "param": jax.tree_util.keystr(path, simple=True, separator="/"),
+            "shape": tuple(var.shape),
+            "logical": names,
+            "compute": tuple(rules.compute.spec(names)),
+            "stored": tuple(rules.params.spec(names)),
+            "opt_state": tuple(rules.opt.spec(names)),
+            "local_shape": stored.shard_shape(tuple(var.shape)),
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["param", "shape", "logical", "stored", "opt_state", "local_shape"]
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    line = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths))  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(x) for x in cells])
