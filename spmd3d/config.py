@@ -8,6 +8,7 @@ config raises `ConfigError(field, message)`; the entry points turn it into one l
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -139,6 +140,9 @@ def _yaml_name(f: dataclasses.Field) -> str:
     return f.name.rstrip("_")
 
 
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(path: str, value, typ):
     if typ is bool:
         if isinstance(value, bool):
@@ -148,6 +152,9 @@ def _coerce(path: str, value, typ):
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 (PyYAML) reads exponent notation without a dot (`1e-3`) as a string.
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
             return float(value)
     elif typ is str:
         if isinstance(value, str):
@@ -161,7 +168,7 @@ def _coerce(path: str, value, typ):
 
 def _build(cls, data, prefix: str):
     if not isinstance(data, dict):
-        raise ConfigError(prefix or "config", f"expected a mapping, got {data!r}")
+        raise ConfigError(prefix.rstrip(".") or "config", f"expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     known = {_yaml_name(f): f for f in fields(cls)}
     for key in data:
@@ -222,9 +229,16 @@ def load(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
         if not p.is_file():
             raise ConfigError("config", f"no such file {path!r}")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("config", f"cannot read {path!r} ({e})")
         except yaml.YAMLError as e:
             raise ConfigError("config", f"{path} is not valid YAML ({str(e).splitlines()[0]})")
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError("config", f"{path} must hold a mapping of sections, "
+                                        f"got a {type(tree).__name__}")
     for ov in overrides:
         key, _, raw = ov.partition("=")
         if not key:

@@ -29,11 +29,14 @@ class Topology:
     intra_node_gbps: float
     inter_node_gbps: float
     device_memory_gb: float
-    peak_tflops: dict
+    peak_tflops: dict  # per device; per host when the devices are simulated on shared cores
+    simulated: bool = False  # devices are XLA:CPU host devices sharing one machine's cores
 
-    def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s of one device for a compute dtype name."""
-        return float(self.peak_tflops.get(dtype, self.peak_tflops["float32"])) * 1e12
+    def peak_flops(self, dtype: str, num_devices: int = 1) -> float:
+        """Peak FLOP/s of `num_devices` devices for a compute dtype name. Simulated CPU devices
+        share the host's cores, so together they never exceed the host's peak."""
+        per = float(self.peak_tflops.get(dtype, self.peak_tflops["float32"])) * 1e12
+        return per if self.simulated else per * num_devices
 
 
 def load_topology(name: str, platform: str = "cpu") -> Topology:

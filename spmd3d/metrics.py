@@ -22,9 +22,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len
 
 
-def mfu(tokens_per_s: float, cfg: ModelConfig, seq_len: int, num_devices: int,
-        peak_flops_per_device: float) -> float:
-    return tokens_per_s * flops_per_token(cfg, seq_len) / (num_devices * peak_flops_per_device)
+def mfu(tokens_per_s: float, cfg: ModelConfig, seq_len: int, peak_flops: float) -> float:
+    """Model FLOPs utilization against the peak of all the devices used."""
+    return tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops
 
 
 class MetricsLog:

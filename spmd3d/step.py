@@ -137,7 +137,7 @@ def make_train_step(cfg: Config, mesh, graphdef, shardings: TrainState,
 
     def train_step(state: TrainState, tokens):
         loss, grads = grads_and_loss(state.params, tokens)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         # ZeRO-1+: each data shard updates only its slice of the moments and the weights
         grads = jax.lax.with_sharding_constraint(grads, shardings_for(grads, rules.opt, mesh))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -78,6 +78,8 @@ def setup(cfg: Config, devices=None) -> Job:
     batch_sharding = NamedSharding(mesh, rules.compute.spec(("batch", None)))
     batches = TokenBatches(load_tokens(cfg.data.path, cfg.data.tokenizer), cfg.train.seq_len,
                            cfg.train.seed, cfg.model.vocab_size)
+    # read one batch now: bad token ids fail in milliseconds, not after compilation
+    batches.batch(0, cfg.train.global_batch, jax.process_index(), jax.process_count())
     return Job(cfg, mesh, topology, graphdef, abstract, shardings, batch_sharding, step_fn, batches)
 
 
@@ -145,7 +147,7 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
 
     log = MetricsLog(run_dir / "metrics.jsonl" if lead else None)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    peak = job.topology.peak_flops(cfg.model.dtype)
+    peak = job.topology.peak_flops(cfg.model.dtype, n_dev)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     records, t_last, steps_since = [], time.perf_counter(), 0
 
@@ -165,7 +167,7 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
             tps = tokens_per_step / dt
             rec = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                    "lr": float(m["lr"]), "tokens_per_s": tps, "step_time_s": dt,
-                   "mfu": tps * fpt / (n_dev * peak)}
+                   "mfu": tps * fpt / peak}
             records.append(rec)
             log.write(rec)
             if lead:

@@ -1,0 +1,151 @@
+"""`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--json]`
+
+Throughput, MFU, compile time, per-device memory and the collectives of one compiled train
+step, for a named config and mesh. The timed loop runs the step alone: batches are built on
+device beforehand (host data loading is not what we measure), warmup steps absorb first-call
+costs, and every timed step is blocked on so each time is one whole step. The median is the
+headline number because other work on a shared machine inflates the mean.
+With `--json` the last stdout line is one JSON object (`run_bench`'s record) for scripts.
+Exit status: 0 done, 2 invalid configuration or input (one line, no traceback), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from . import config as config_lib
+from .config import Config, ConfigError
+from .data import DataError
+from .mesh import simulate_devices
+
+FLAGS = ("--steps", "--warmup", "--json")
+
+
+def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "default") -> dict:
+    """Compile, warm up and time `steps` train steps of `cfg` on all devices; the JSON record
+    (`name` labels it: main passes the config file's stem)."""
+    import jax
+
+    from . import hlo
+    from .metrics import flops_per_token
+    from .step import init_state
+    from .train import setup
+
+    job = setup(cfg)
+    cfg = job.cfg
+    compiled, compile_s = job.compile()
+    state = init_state(cfg, job.mesh, job.shardings)
+    batches = jax.block_until_ready([job.global_batch(s) for s in range(warmup + steps)])
+
+    for batch in batches[:warmup]:
+        state, _ = compiled(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for batch in batches[warmup:]:
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)  # state is donated: no copy per step
+        metrics["loss"].block_until_ready()
+        times.append(time.perf_counter() - start)
+
+    median, n_dev = statistics.median(times), job.mesh.size
+    tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / median
+    peak_flops = job.topology.peak_flops(cfg.model.dtype, n_dev)
+    stats = jax.devices()[0].memory_stats()  # None on CPU
+    colls = hlo.summary(hlo.collectives(compiled.as_text(), job.mesh.shape))
+    return {
+        "config": name,
+        "mesh": dict(job.mesh.shape),
+        "devices": n_dev,
+        "device_kind": jax.devices()[0].device_kind,
+        "dtype": cfg.model.dtype,
+        "zero_stage": cfg.parallel.zero_stage,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "remat": cfg.parallel.remat,
+        "microbatches": cfg.train.microbatches,
+        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+        "params": sum(math.prod(x.shape) for x in jax.tree.leaves(job.abstract.params)),
+        "compile_s": compile_s,
+        "steps": steps,
+        "step_time_median_s": median,
+        "step_time_mean_s": statistics.fmean(times),
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(cfg.model, cfg.train.seq_len) / peak_flops,
+        "memory": hlo.memory(compiled),
+        "peak_bytes": (stats or {}).get("peak_bytes_in_use"),
+        "collectives": [{"kind": k, "axes": list(a), "count": n}
+                        for (k, a), n in sorted(colls.items())],
+    }
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def format_report(r: dict) -> str:
+    """The record as a few human-readable lines."""
+    mem = r["memory"]
+    colls = ", ".join(f"{c['kind']}[{','.join(c['axes']) or '-'}] x{c['count']}"
+                      for c in r["collectives"]) or "none"
+    lines = [
+        f"bench {r['config']}: mesh {r['mesh']} on {r['devices']} x {r['device_kind']}",
+        f"  {r['dtype']}, ZeRO-{r['zero_stage']}, SP {r['sequence_parallel']}, "
+        f"remat {r['remat']}, microbatches {r['microbatches']}, {r['params']:,} parameters",
+        f"  compile     {r['compile_s']:.2f} s",
+        f"  step time   median {r['step_time_median_s'] * 1e3:.1f} ms, "
+        f"mean {r['step_time_mean_s'] * 1e3:.1f} ms over {r['steps']} steps",
+        f"  throughput  {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%",
+        f"  memory/dev  args {_gib(mem['argument_bytes'])}, out {_gib(mem['output_bytes'])}, "
+        f"temp {_gib(mem['temp_bytes'])}, total {_gib(mem['total_bytes'])}",
+    ]
+    if r["peak_bytes"] is not None:
+        lines.append(f"  peak in use {_gib(r['peak_bytes'])} (device 0)")
+    lines.append(f"  collectives {colls}")
+    return "\n".join(lines)
+
+
+def _int_flag(flag: str, minimum: int) -> int:
+    name, _, raw = flag.partition("=")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError("argv", f"{name} needs an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError("argv", f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    steps, warmup, as_json = 10, 2, False
+    try:
+        path, overrides, flags = config_lib.parse_args(argv)
+        for f in flags:
+            name = f.partition("=")[0]
+            if name not in FLAGS or (name == "--json") != (f == "--json"):
+                raise ConfigError("argv", f"unknown flag {f} (known: --steps=N, --warmup=N, --json)")
+            if name == "--steps":
+                steps = _int_flag(f, 1)
+            elif name == "--warmup":
+                warmup = _int_flag(f, 0)
+            else:
+                as_json = True
+        cfg = config_lib.load(path, overrides)
+        simulate_devices(cfg.mesh.simulated_devices)
+        name = Path(path).stem if path else "default"
+        record = run_bench(cfg, steps=steps, warmup=warmup, name=name)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(record), flush=True)
+    if as_json:
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

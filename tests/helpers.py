@@ -1,0 +1,55 @@
+"""Shared helpers: one small model, run on any layout of the 8 simulated devices."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from spmd3d import config
+from spmd3d.sharding import zero_rules
+from spmd3d.step import init_state, make_grad_fn
+from spmd3d.train import flat, setup
+
+# 16 query heads in 8 kv groups (GQA) so that tensor = 8 still splits whole groups.
+SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=16", "model.num_kv_heads=8",
+         "model.d_ff=256", "model.vocab_size=256", "train.global_batch=16", "train.seq_len=32",
+         "train.steps=8", "optim.warmup_steps=2", "mesh.simulated_devices=0", "run.dir=unused"]
+
+
+def small_config(data=1, stage=1, tensor=1, seq=1, zero=0, sp=False, micro=1, remat="none",
+                 extra=()):
+    return config.load(None, SMALL + [
+        f"mesh.data={data}", f"mesh.stage={stage}", f"mesh.tensor={tensor}", f"mesh.seq={seq}",
+        f"parallel.zero_stage={zero}", f"parallel.sequence_parallel={str(sp).lower()}",
+        f"train.microbatches={micro}", f"parallel.remat={remat}", *extra])
+
+
+def devices_for(cfg):
+    m = cfg.mesh
+    return jax.devices()[: m.data * m.stage * m.tensor * m.seq]
+
+
+def train_losses(cfg, steps=None):
+    """Per-step losses of `steps` train steps from the fresh initial state."""
+    job = setup(cfg, devices_for(cfg))
+    state = init_state(job.cfg, job.mesh, job.shardings)
+    losses = []
+    for s in range(steps or cfg.train.steps):
+        state, metrics = job.step_fn(state, job.global_batch(s))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), job, state
+
+
+def first_grads(cfg):
+    """(loss, {param path: gradient as numpy}) at the initial parameters on step 0's batch."""
+    job = setup(cfg, devices_for(cfg))
+    state = init_state(job.cfg, job.mesh, job.shardings)
+    rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
+    loss, grads = jax.jit(make_grad_fn(job.cfg, job.mesh, job.graphdef, rules))(
+        state.params, job.global_batch(0))
+    return float(loss), {k: np.asarray(v) for k, v in flat(grads).items()}
+
+
+def max_rel_diff(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b) / np.abs(b)))

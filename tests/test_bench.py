@@ -1,0 +1,65 @@
+"""Tests for spmd3d.bench on a tiny model: the record's numbers are sane and the CLI is parseable.
+
+Timings depend on machine load, so only their sign is checked; the parameter count and the
+tensor-parallel all-reduce are exact properties of the model and mesh.
+"""
+
+import json
+
+import pytest
+
+from spmd3d import config as config_lib
+from spmd3d.bench import main, run_bench
+
+TINY = ["model.num_layers=1", "model.d_model=64", "model.num_kv_heads=4", "model.d_ff=128",
+        "train.seq_len=32", "train.global_batch=8", "mesh.simulated_devices=0", "mesh.tensor=2"]
+
+
+def expected_params(m) -> int:
+    """LLaMA-style parameter count from the dims alone (independent of the model code)."""
+    d, h, k, f, v = m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size
+    hd = d // h
+    layer = 2 * d + d * (h + 2 * k) * hd + h * hd * d + 2 * d * f + f * d
+    return v * d + d * v + d + m.num_layers * layer
+
+
+@pytest.fixture(scope="module")
+def record():
+    cfg = config_lib.load(None, TINY)
+    return cfg, run_bench(cfg, steps=2, warmup=1)
+
+
+def test_run_bench_record(record):
+    cfg, r = record
+    assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["mfu"] > 0
+    assert r["step_time_median_s"] > 0 and r["step_time_mean_s"] > 0
+    assert r["memory"]["total_bytes"] > 0
+    assert r["params"] == expected_params(cfg.model)
+    assert r["mesh"] == {"data": 4, "stage": 1, "tensor": 2, "seq": 1} and r["devices"] == 8
+    assert any(c["kind"] == "all-reduce" and c["axes"] == ["tensor"] and c["count"] > 0
+               for c in r["collectives"])
+    assert r["peak_bytes"] is None or r["peak_bytes"] > 0  # CPU reports no memory_stats
+    json.dumps(r)  # the record is JSON-serializable as it is
+
+
+def test_main_json_last_line(capsys):
+    assert main(TINY + ["--steps=2", "--warmup=1", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    for key in ("config", "mesh", "devices", "device_kind", "dtype", "zero_stage", "params",
+                "compile_s", "step_time_median_s", "step_time_mean_s", "tokens_per_s", "mfu",
+                "memory", "peak_bytes", "collectives"):
+        assert key in r
+    assert r["config"] == "default" and r["tokens_per_s"] > 0
+    assert any(line.startswith("bench default") for line in out[:-1])  # the human report
+
+
+@pytest.mark.parametrize("args, field", [
+    (["model.num_layers=zero"], "model.num_layers"),
+    (["--steps=0"], "argv"),
+    (["--bogus"], "argv"),
+])
+def test_main_bad_input_exits_2(capsys, args, field):
+    assert main(TINY + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {field}:") and len(err.splitlines()) == 1
