@@ -118,9 +118,11 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, cos, sin):
         # x[B_data, T, D] · w[D, K_tensor, G+2, H] -> qkv[B_data, T, K_tensor, G+2, H]
         qkv = jnp.einsum("btd,dkch->btkch", x_btd, _use(self.w_qkv, self.dtype))
-        q = apply_rope(qkv[:, :, :, : self.g], cos, sin)
-        k = apply_rope(qkv[:, :, :, self.g], cos, sin)
-        v = qkv[:, :, :, self.g + 1]
+        # a split (not three slices): its transpose is one concatenate, not pads and adds
+        q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k[:, :, :, 0], cos, sin)
+        v = v[:, :, :, 0]
         q = constrain(q, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -143,7 +145,8 @@ class MLP(nnx.Module):
     def __call__(self, x_btd):
         # x[B_data, T, D] · w[D, 2, F_tensor] -> h[B_data, T, 2, F_tensor]
         h = jnp.einsum("btd,dcf->btcf", x_btd, _use(self.w_gate_up, self.dtype))
-        a = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+        gate, up = jnp.split(h, 2, axis=2)
+        a = jax.nn.silu(gate[:, :, 0]) * up[:, :, 0]
         a = constrain(a, ("batch", "length", "mlp"))
         return jnp.einsum("btf,fd->btd", a, _use(self.w_down, self.dtype))
 
