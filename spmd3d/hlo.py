@@ -29,6 +29,7 @@ class Collective:
     bytes: int  # size of the result, per device
     axes: tuple  # mesh axes it communicates over (size-1 axes never listed), () if unknown
     computation: str  # HLO computation holding it (a while body for ops inside a scan)
+    trips: int = 1  # times it runs per call: the trip counts of the loops around it
 
 
 def _shape_bytes(shape: str) -> int:
@@ -94,26 +95,48 @@ def _axes_of(groups, kind: str, mesh_shape: dict) -> tuple:
     return ()
 
 
+_WHILE = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
 def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
-    """Every collective op of an HLO module text (`compiled.as_text()`)."""
-    out, comp = [], "?"
+    """Every collective op of an HLO module text (`compiled.as_text()`), with its loop trips."""
+    out, comp, loops = [], "?", {}  # loops: body -> (computation holding the while, trip count)
     for line in hlo_text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)
         c = _COMP.match(line)
         if c and " = " not in line:
             comp = c.group(1)
             continue
+        w = _WHILE.search(line)
+        if w:
+            loops[w.group(1)] = (comp, int(w.group(2)))
         m = _OP.match(line)
         if m:
             kind = m.group("kind")
             axes = _axes_of(_groups(m.group("rest")), kind, dict(mesh_shape))
             out.append(Collective(kind, _shape_bytes(m.group("shape")), axes, comp))
-    return out
+
+    def trips(name, depth=0):
+        parent, n = loops.get(name, (None, 1))
+        return n if parent is None or depth > 8 else n * trips(parent, depth + 1)
+
+    return [Collective(c.kind, c.bytes, c.axes, c.computation, trips(c.computation)) for c in out]
 
 
 def summary(colls: list[Collective]) -> Counter:
-    """{(kind, axes): count}."""
-    return Counter((c.kind, c.axes) for c in colls)
+    """{(kind, axes): ops executed per call} (ops inside loops counted once per trip)."""
+    out = Counter()
+    for c in colls:
+        out[(c.kind, c.axes)] += c.trips
+    return out
+
+
+def bytes_by_axes(colls: list[Collective]) -> Counter:
+    """{(kind, axes): result bytes per device moved per call, loop trips included}."""
+    out = Counter()
+    for c in colls:
+        out[(c.kind, c.axes)] += c.bytes * c.trips
+    return out
 
 
 def memory(compiled) -> dict:

@@ -17,13 +17,26 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
-from .sharding import Param, constrain, current_layout, use_param
+from .sharding import Param, constrain, current_layout, is_param_relayout, use_param
 
-REMAT_POLICIES = {
+# What the backward pass may keep from the forward pass of a layer. Weights as used (cast and,
+# under ZeRO-3, all-gathered) are never kept: the backward gathers them again, so a layer's
+# full weights live only while it runs (FSDP) instead of all L of them until the backward.
+_POLICIES = {
+    "none": jax.checkpoint_policies.everything_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
     # keep matmul outputs (no batch dims: the projections, not the attention scores)
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def remat_policy(name: str):
+    base = _POLICIES[name]
+
+    def policy(prim, *args, **params):
+        return not is_param_relayout(prim, params) and base(prim, *args, **params)
+
+    return policy
 
 
 def _use(p: Param, dtype):
@@ -202,8 +215,7 @@ class Transformer(nnx.Module):
         def layer(x, params):
             return nnx.merge(graphdef, params)(x, cos, sin), None
 
-        if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, stacked)
 
         with jax.named_scope("head"):

@@ -216,6 +216,17 @@ def use_param(value, names, dtype):
     return _relayout(dtype, fwd, bwd)(value)
 
 
+_LAYOUT_PRIMITIVES = frozenset({"convert_element_type", "sharding_constraint"})
+
+
+def is_param_relayout(prim, params) -> bool:
+    """True for the equation `use_param` leaves in a jaxpr (a custom_vjp doing nothing but
+    casts and sharding constraints): remat policies use it to never save weights as used."""
+    if prim.name != "custom_vjp_call":
+        return False
+    return all(e.primitive.name in _LAYOUT_PRIMITIVES for e in params["call_jaxpr"].jaxpr.eqns)
+
+
 def describe(params, rules: "ZeroRules", mesh) -> list[dict]:
     """Where every parameter lives: one row per parameter with its path, global shape, logical
     names, mesh axes (compute / stored / optimizer state) and the per-device shape it stores."""
