@@ -140,7 +140,8 @@ class Attention(nnx.Module):
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         with jax.named_scope("attention"):
-            out = causal_attention(q, k, v)
+            # pinned heads-split so that its cotangent is too (the backward stays per head)
+            out = constrain(causal_attention(q, k, v), ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         # row-parallel: contracting the tensor-split heads all-reduces (or reduce-scatters) y
         return jnp.einsum("btkgh,kghd->btd", out, _use(self.w_o, self.dtype))
 

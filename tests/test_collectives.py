@@ -1,0 +1,63 @@
+"""Tensor parallelism emits Megatron's collectives, counted in the compiled step's HLO.
+
+Per transformer layer (the layer loop bodies appear once in the HLO, run L times):
+- TP: forward one all-reduce after attention's and one after the MLP's row-parallel matmul;
+  backward one each for the input gradients of the column-parallel matmuls. All of them
+  activation-sized, over `tensor` only.
+- TP + SP: each of those becomes an all-gather entering the block and a reduce-scatter
+  leaving it (XLA:CPU lowers a reduce-scatter as an all-reduce whose result each device
+  slices, so on CPU it reads as an all-reduce), with the residual stream split over T.
+"""
+
+from collections import Counter
+
+import pytest
+
+from helpers import devices_for, small_config
+from spmd3d import hlo, train
+
+
+def layer_loop_collectives(cfg):
+    job = train.setup(cfg, devices_for(cfg))
+    compiled, _ = job.compile()
+    colls = hlo.collectives(compiled.as_text(), job.mesh.shape)
+    activation = (cfg.train.global_batch // cfg.mesh.data) * cfg.train.seq_len * cfg.model.d_model * 4
+    loops = {}
+    for c in colls:
+        if c.trips == cfg.model.num_layers and c.bytes == activation:
+            loops.setdefault(c.computation, Counter())[(c.kind, c.axes)] += 1
+    return loops, colls, hlo.memory(compiled)
+
+
+@pytest.mark.parametrize("data,tensor", [(2, 4), (4, 2)])
+def test_tensor_parallel_all_reduces(data, tensor):
+    loops, colls, _ = layer_loop_collectives(small_config(data=data, tensor=tensor))
+    # forward loop and backward loop: two activation all-reduces over tensor each, nothing else
+    assert list(loops.values()) == [Counter({("all-reduce", ("tensor",)): 2})] * 2, loops
+    # gradients are reduced over data, never over tensor
+    assert not [c for c in colls if c.axes == ("data", "tensor")]
+
+
+def test_sequence_parallel_gathers_and_scatters():
+    cfg = small_config(data=2, tensor=4, sp=True)
+    loops, colls, mem = layer_loop_collectives(cfg)
+    assert list(loops.values()) == [Counter({("all-gather", ("tensor",)): 2,
+                                             ("all-reduce", ("tensor",)): 2})] * 2, loops
+    # the norm scales see only their T/tensor slice: their gradients are summed over tensor
+    # (XLA may combine the two norms' reductions into one op)
+    norm_grads = sum(c.bytes for c in colls if c.kind == "all-reduce" and c.axes == ("tensor",)
+                     and c.trips == cfg.model.num_layers and c.bytes < 4 * cfg.model.d_model * 4)
+    assert norm_grads == 2 * cfg.model.d_model * 4
+    # activations kept for the backward are T-split: less temporary memory than plain TP
+    _, _, mem_tp = layer_loop_collectives(small_config(data=2, tensor=4))
+    assert mem["temp_bytes"] < mem_tp["temp_bytes"]
+
+
+def test_pure_data_parallel_has_no_tensor_collectives():
+    cfg = small_config(data=8)
+    loops, colls, _ = layer_loop_collectives(cfg)
+    assert loops == {}
+    assert {c.axes for c in colls} <= {("data",), ()}
+    # one gradient reduction per layer, in the backward loop, over data
+    grads = [c for c in colls if c.kind == "all-reduce" and c.trips == cfg.model.num_layers]
+    assert len(grads) == 1 and grads[0].axes == ("data",)
