@@ -30,7 +30,7 @@ from .mesh import DATA, SEQ, STAGE, TENSOR
 
 LOGICAL_NAMES = (
     "batch", "length", "res_length", "embed", "heads", "kv_heads", "q_per_kv", "head_dim",
-    "mlp", "vocab", "layers", "gate_up",
+    "mlp", "vocab", "layers", "gate_up", "norm",
 )
 
 
@@ -87,6 +87,7 @@ def compute_rules(sequence_parallel: bool = False) -> Rules:
         ("vocab", TENSOR),
         ("layers", STAGE),
         ("gate_up", None),
+        ("norm", None),
     ))
 
 

@@ -49,15 +49,21 @@ def compiled():
 
 
 def param_bytes(job):
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(job.abstract.params))
+    """(bytes ZeRO shards: every matrix, bytes it keeps whole: the d_model-sized norm scales)."""
+    flat = jax.tree_util.tree_flatten(job.abstract.params, is_leaf=lambda x: hasattr(x, "get_metadata"))[0]
+    sharded = sum(v.size * 4 for v in flat if "embed" in v.get_metadata("axes"))
+    whole = sum(v.size * 4 for v in flat if "embed" not in v.get_metadata("axes"))
+    assert whole < 0.01 * sharded
+    return sharded, whole
 
 
 def test_optimizer_state_sharded_by_zero1(compiled):
     job0, mem0, _ = compiled[0]
     job1, mem1, _ = compiled[1]
     full = local_bytes(job0.abstract.opt_state, job0.shardings.opt_state)
-    assert full >= 2 * param_bytes(job0)  # Adam's two moments
-    moments = 2 * param_bytes(job0)
+    s, w = param_bytes(job0)
+    moments = 2 * s  # Adam's two moments of the sharded parameters
+    assert full >= 2 * (s + w)
     assert local_bytes(job1.abstract.opt_state, job1.shardings.opt_state) == full - moments + moments // DATA
     # the compiled step's arguments shrink by exactly the moments' 7/8
     assert mem0["argument_bytes"] - mem1["argument_bytes"] == moments - moments // DATA
@@ -66,12 +72,12 @@ def test_optimizer_state_sharded_by_zero1(compiled):
 def test_gradients_sharded_by_zero2(compiled):
     job1, mem1, grads1 = compiled[1]
     _, mem2, grads2 = compiled[2]
-    p = param_bytes(job1)
-    scalar_and_padding = grads1["output_bytes"] - p
+    s, w = param_bytes(job1)
+    scalar_and_padding = grads1["output_bytes"] - s - w
     assert 0 <= scalar_and_padding < 1024
-    assert grads2["output_bytes"] == p // DATA + scalar_and_padding
+    assert grads2["output_bytes"] == s // DATA + w + scalar_and_padding
     # inside the train step the gradient buffers are temporaries: they shrink too
-    assert mem1["temp_bytes"] - mem2["temp_bytes"] >= 0.8 * (p - p // DATA)
+    assert mem1["temp_bytes"] - mem2["temp_bytes"] >= 0.8 * (s - s // DATA)
     # and the parameters and optimizer state are unchanged from ZeRO-1
     assert mem1["argument_bytes"] == mem2["argument_bytes"]
 
@@ -79,10 +85,10 @@ def test_gradients_sharded_by_zero2(compiled):
 def test_parameters_sharded_by_zero3(compiled):
     job2, mem2, _ = compiled[2]
     job3, mem3, _ = compiled[3]
-    p = param_bytes(job2)
-    assert local_bytes(job2.abstract.params, job2.shardings.params) == p
-    assert local_bytes(job3.abstract.params, job3.shardings.params) == p // DATA
-    assert mem2["argument_bytes"] - mem3["argument_bytes"] == p - p // DATA
+    s, w = param_bytes(job2)
+    assert local_bytes(job2.abstract.params, job2.shardings.params) == s + w
+    assert local_bytes(job3.abstract.params, job3.shardings.params) == s // DATA + w
+    assert mem2["argument_bytes"] - mem3["argument_bytes"] == s - s // DATA
 
 
 def test_zero3_gathers_weights_layer_by_layer(compiled):
