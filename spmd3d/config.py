@@ -293,8 +293,6 @@ def validate(cfg: Config) -> None:
     for name in ("stage", "tensor", "seq"):
         _need(getattr(mesh, name) > 0, f"mesh.{name}", "must be positive")
     _need(mesh.simulated_devices >= -1, "mesh.simulated_devices", "must be >= -1")
-    _need(mesh.stage == 1, "mesh.stage",
-          "pipeline parallelism (stage > 1) is not available yet; use mesh.stage=1")
     _need(mesh.seq == 1, "mesh.seq",
           "context parallelism (seq > 1) is not available yet; use mesh.seq=1")
     _divides("model.num_kv_heads", m.num_kv_heads, mesh.tensor, "mesh.tensor")
@@ -307,6 +305,11 @@ def validate(cfg: Config) -> None:
           f"must be one of {', '.join(REMAT_POLICIES)}")
     _divides("model.num_layers", m.num_layers, mesh.stage * par.pipeline_repeats,
              "mesh.stage * parallel.pipeline_repeats")
+    _need(par.pipeline_repeats == 1 or mesh.stage > 1, "parallel.pipeline_repeats",
+          "circular repeats need a pipeline (mesh.stage > 1)")
+    _need(par.pipeline_repeats == 1 or cfg.train.microbatches >= mesh.stage, "train.microbatches",
+          f"{cfg.train.microbatches} is fewer than mesh.stage = {mesh.stage}: a circular pipeline "
+          "(parallel.pipeline_repeats > 1) needs at least one microbatch per stage")
 
     for name in ("steps", "global_batch", "seq_len", "microbatches"):
         _need(getattr(tr, name) > 0, f"train.{name}", "must be positive")

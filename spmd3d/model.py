@@ -17,7 +17,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
-from .sharding import Param, constrain, current_layout, is_param_relayout, use_param
+from . import pipeline
+from .pipeline import Schedule
+from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
+                       use_param)
 
 # What the backward pass may keep from the forward pass of a layer. Weights as used (cast and,
 # under ZeRO-3, all-gathered) are never kept: the backward gathers them again, so a layer's
@@ -197,9 +200,11 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = "none"):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = "none",
+                 schedule: Schedule | None = None):
         self.cfg = cfg
         self.remat = remat
+        self.schedule = schedule  # a pipeline over the stage axis, or None
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std, cfg.param_dtype)
 
@@ -213,15 +218,15 @@ class Transformer(nnx.Module):
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
 
-    def __call__(self, tokens_bt, positions_bt=None):
-        """tokens[B, T] -> logits[B, T, V] in fp32."""
+    def __call__(self, tokens_bt, positions_t=None):
+        """tokens[B, T] -> logits[B, T, V] in fp32. positions[T] default to 0..T-1."""
         cfg = self.cfg
-        if positions_bt is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        if positions_t is None:
+            positions_t = jnp.arange(tokens_bt.shape[1])
         with jax.named_scope("embed"):
             x = embed_lookup(_use(self.embed, cfg.param_dtype), tokens_bt).astype(cfg.dtype)
             x = constrain(x, ("batch", "res_length", "embed"))
-        cos, sin = rope_tables(positions_bt, cfg.dim_per_head, cfg.rope_theta)
+        cos, sin = rope_tables(positions_t[None], cfg.dim_per_head, cfg.rope_theta)  # [1, T, H/2]
 
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -229,7 +234,18 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, params)(x, cos, sin), None
 
         layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, stacked)
+
+        def stage_fn(chunk, x):  # a chunk of stacked layers [c, ...] applied in order
+            return jax.lax.scan(layer, x, chunk, unroll=pipeline.unroll())[0]
+
+        layout = current_layout()
+        if self.schedule is None or self.schedule.stages == 1 or layout is None:
+            x = stage_fn(stacked, x)
+        else:
+            mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+            # inside the pipeline's shard_map, constraints resolve against its context mesh
+            with activation_rules(layout.compute, None, layout.grads):
+                x = pipeline.run(stage_fn, stacked, x, self.schedule, layout.compute["layers"], mesh)
 
         with jax.named_scope("head"):
             x = self.final_norm(x)
@@ -238,12 +254,7 @@ class Transformer(nnx.Module):
             return constrain(logits, ("batch", "length", "vocab"))
 
 
-def init_params(cfg: ModelConfig, seed: int, remat: str = "none"):
-    """(graphdef, params State). A pure function of the seed and the canonical layout only."""
-    model = Transformer(cfg, nnx.Rngs(params=seed), remat=remat)
-    return nnx.split(model)
-
-
-def abstract_model(cfg: ModelConfig, remat: str = "none"):
+def abstract_model(cfg: ModelConfig, remat: str = "none", schedule: Schedule | None = None):
     """(graphdef, State of ShapeDtypeStruct-valued Variables), without allocating anything."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0), remat=remat)))
+    return nnx.split(nnx.eval_shape(
+        lambda: Transformer(cfg, nnx.Rngs(params=0), remat=remat, schedule=schedule)))

@@ -14,12 +14,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .config import Config
 from .model import Transformer, abstract_model
+from .pipeline import Schedule, layer_order, reorder_layers
 from .optim import lr_schedule, make_optimizer
 from .sharding import ZeroRules, activation_rules, constrain, zero_rules
 
@@ -47,10 +49,22 @@ def shardings_for(tree, rules, mesh):
     return jax.tree.map(one, tree, is_leaf=is_var)
 
 
+def schedule_of(cfg: Config) -> Schedule | None:
+    """The pipeline schedule for `mesh.stage > 1`, else None."""
+    if cfg.mesh.stage == 1:
+        return None
+    return Schedule(cfg.mesh.stage, cfg.train.microbatches, cfg.parallel.pipeline_repeats)
+
+
+def storage_order(cfg: Config) -> np.ndarray:
+    """Canonical layer index of each stored layer (see `pipeline.layer_order`)."""
+    return layer_order(cfg.model.num_layers, cfg.mesh.stage, cfg.parallel.pipeline_repeats)
+
+
 def state_shardings(cfg: Config, mesh, rules: ZeroRules | None = None):
     """(graphdef, abstract TrainState, TrainState of NamedShardings) without allocating."""
     rules = rules or zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-    graphdef, params = abstract_model(cfg.model, cfg.parallel.remat)
+    graphdef, params = abstract_model(cfg.model, cfg.parallel.remat, schedule_of(cfg))
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
     shardings = TrainState(
@@ -65,14 +79,15 @@ def init_state(cfg: Config, mesh, shardings: TrainState) -> TrainState:
     """Initial state, created directly in its shardings (nothing materialized on one device).
 
     Values depend on `train.seed` and the canonical layout only: JAX's partitionable
-    threefry generates the same numbers however the output is sharded.
+    threefry generates the same numbers however the output is sharded, and a circular
+    pipeline's storage order is a permutation applied after initialization.
     """
     tx = make_optimizer(cfg.optim, cfg.train.steps)
 
     @jax.jit
     def init():
         model = Transformer(cfg.model, nnx.Rngs(params=cfg.train.seed), remat=cfg.parallel.remat)
-        params = nnx.state(model)
+        params = reorder_layers(nnx.state(model), storage_order(cfg))
         state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
         return jax.lax.with_sharding_constraint(state, shardings)
 
@@ -93,12 +108,13 @@ def loss_sum(graphdef, params, tokens_bt1):
 
 
 def make_grad_fn(cfg: Config, mesh, graphdef, rules: ZeroRules):
-    """`(params, tokens[B, T+1]) -> (mean loss, grads)` over `train.microbatches` microbatches.
+    """`(params, tokens[B, T+1]) -> (mean loss, grads)` over `train.microbatches` microbatches
+    (accumulated here without a pipeline; with one, the pipeline takes the microbatches).
 
     The loss is the mean over every token of the global batch whatever the microbatching, and
     gradients leave in the gradient rules' layout (ZeRO-2/3: sharded over data).
     """
-    m = cfg.train.microbatches
+    m = 1 if cfg.mesh.stage > 1 else cfg.train.microbatches
     value_and_grad = jax.value_and_grad(lambda p, t: loss_sum(graphdef, p, t), has_aux=True)
 
     def constrain_grads(g):

@@ -44,6 +44,21 @@ class Job:
                                    jax.process_count())
         return jax.make_array_from_process_local_data(self.batch_sharding, local)
 
+    def reorder(self, state, to_canonical: bool):
+        """Between the stored layer order (a circular pipeline keeps each stage's chunks
+        together) and the canonical [L, ...] order that checkpoints hold; same shardings."""
+        import jax
+
+        from .pipeline import reorder_layers
+        from .step import storage_order
+
+        order = storage_order(self.cfg)
+        if np.array_equal(order, np.arange(len(order))):
+            return state
+        fn = jax.jit(lambda s: reorder_layers(s, order, inverse=to_canonical),
+                     out_shardings=self.shardings)
+        return fn(state)
+
     def compile(self):
         """AOT-compile the step for this job's shapes and shardings; returns (compiled, seconds)."""
         import jax
@@ -111,7 +126,7 @@ def restore_or_init(job: Job, ckpt):
                           job.abstract, job.shardings)
     restored, meta = ckpt.restore(step, flat(target._asdict()))
     state = TrainState(**unflat(target._asdict(), restored))
-    return state, int(meta["step"])
+    return job.reorder(state, to_canonical=False), int(meta["step"])
 
 
 def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
@@ -121,6 +136,7 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     from .checkpoint import Checkpointer
     from .metrics import MetricsLog, flops_per_token, format_line
     from .sharding import describe, format_table, zero_rules
+    from .step import schedule_of
 
     job = setup(cfg, devices)
     cfg = job.cfg
@@ -133,6 +149,8 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
         print(f"mesh {dict(job.mesh.shape)} on {n_dev} {jax.devices()[0].platform} devices, "
               f"ZeRO-{cfg.parallel.zero_stage}, SP {cfg.parallel.sequence_parallel}, "
               f"remat {cfg.parallel.remat}", flush=True)
+        if cfg.mesh.stage > 1:
+            print(schedule_of(cfg).describe(cfg.model.num_layers), flush=True)
         if explain or cfg.run.explain:
             rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
             print(format_table(describe(job.abstract.params, rules, job.mesh)), flush=True)
@@ -173,9 +191,10 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
             if lead:
                 print(format_line(rec, cfg.train.steps), flush=True)
         if ckpt.should_save(done) and done < cfg.train.steps:
-            ckpt.save(done, flat(state._asdict()), meta(done))
+            ckpt.save(done, flat(job.reorder(state, True)._asdict()), meta(done))
     if cfg.train.steps > start or ckpt.latest_step() is None:
-        ckpt.save(cfg.train.steps, flat(state._asdict()), meta(cfg.train.steps), force=True)
+        ckpt.save(cfg.train.steps, flat(job.reorder(state, True)._asdict()), meta(cfg.train.steps),
+                  force=True)
     ckpt.wait()
     ckpt.close()
     log.close()

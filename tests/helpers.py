@@ -7,7 +7,8 @@ import numpy as np
 
 from spmd3d import config
 from spmd3d.sharding import zero_rules
-from spmd3d.step import init_state, make_grad_fn
+from spmd3d.pipeline import reorder_layers
+from spmd3d.step import init_state, make_grad_fn, storage_order
 from spmd3d.train import flat, setup
 
 # 16 query heads in 8 kv groups (GQA) so that tensor = 8 still splits whole groups.
@@ -47,6 +48,7 @@ def first_grads(cfg):
     rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
     loss, grads = jax.jit(make_grad_fn(job.cfg, job.mesh, job.graphdef, rules))(
         state.params, job.global_batch(0))
+    grads = reorder_layers(grads, storage_order(job.cfg), inverse=True)  # canonical order
     return float(loss), {k: np.asarray(v) for k, v in flat(grads).items()}
 
 
