@@ -1,10 +1,12 @@
-"""`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--json]`
+"""`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble] [--json]`
 
 Throughput, MFU, compile time, per-device memory and the collectives of one compiled train
 step, for a named config and mesh. The timed loop runs the step alone: batches are built on
 device beforehand (host data loading is not what we measure), warmup steps absorb first-call
 costs, and every timed step is blocked on so each time is one whole step. The median is the
 headline number because other work on a shared machine inflates the mean.
+`--bubble` (with `mesh.stage > 1`) also compiles the step with its loops unrolled and reports
+the pipeline's per-device FLOPs over the unpipelined step's next to the schedule's theory.
 With `--json` the last stdout line is one JSON object (`run_bench`'s record) for scripts.
 Exit status: 0 done, 2 invalid configuration or input (one line, no traceback), 1 anything else.
 """
@@ -23,7 +25,37 @@ from .config import Config, ConfigError
 from .data import DataError
 from .mesh import simulate_devices
 
-FLAGS = ("--steps", "--warmup", "--json")
+FLAGS = ("--steps", "--warmup", "--json", "--bubble")
+
+
+def measure_bubble(cfg: Config) -> dict:
+    """Measured vs theoretical FLOP overhead of the pipeline schedule of `cfg`.
+
+    Per-device FLOPs of the layer stack, pipelined and times p, over those of the same step
+    without a pipeline (on the devices of one stage); what lies outside the layer stack
+    (embedding, head, optimizer) is measured with half the layers and subtracted.
+    """
+    import jax
+
+    from .pipeline import unrolled_loops
+    from .train import setup
+
+    cfg = config_lib.resolve_mesh(cfg, len(jax.devices()))
+    p, m, v = cfg.mesh.stage, cfg.train.microbatches, cfg.parallel.pipeline_repeats
+
+    def flops(c):
+        job = setup(c, jax.devices()[: c.mesh.data * c.mesh.stage * c.mesh.tensor * c.mesh.seq])
+        with unrolled_loops():  # cost analysis counts a loop body once
+            analysis = job.compile()[0].cost_analysis()
+        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+    base = config_lib.override(cfg, mesh={"stage": 1}, parallel={"pipeline_repeats": 1},
+                               train={"microbatches": 1})
+    full = flops(base)
+    half = flops(config_lib.override(base, model={"num_layers": cfg.model.num_layers // 2}))
+    outside = 2 * half - full
+    measured = (flops(cfg) - outside) * p / (full - outside)
+    return {"p": p, "m": m, "v": v, "measured": measured, "theory": (v * m + p - 1) / (v * m)}
 
 
 def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "default") -> dict:
@@ -105,6 +137,10 @@ def format_report(r: dict) -> str:
     if r["peak_bytes"] is not None:
         lines.append(f"  peak in use {_gib(r['peak_bytes'])} (device 0)")
     lines.append(f"  collectives {colls}")
+    if "bubble" in r:
+        b = r["bubble"]
+        lines.append(f"  pipeline    p={b['p']} m={b['m']} v={b['v']}: FLOPs x{b['measured']:.4f} "
+                     f"of unpipelined, theory (v*m+p-1)/(v*m) = {b['theory']:.4f}")
     return "\n".join(lines)
 
 
@@ -121,14 +157,17 @@ def _int_flag(flag: str, minimum: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    steps, warmup, as_json = 10, 2, False
+    steps, warmup, as_json, bubble = 10, 2, False, False
     try:
         path, overrides, flags = config_lib.parse_args(argv)
         for f in flags:
             name = f.partition("=")[0]
-            if name not in FLAGS or (name == "--json") != (f == "--json"):
-                raise ConfigError("argv", f"unknown flag {f} (known: --steps=N, --warmup=N, --json)")
-            if name == "--steps":
+            if name not in FLAGS or (name in ("--json", "--bubble")) != (f in ("--json", "--bubble")):
+                raise ConfigError("argv", f"unknown flag {f} "
+                                  "(known: --steps=N, --warmup=N, --bubble, --json)")
+            if f == "--bubble":
+                bubble = True
+            elif name == "--steps":
                 steps = _int_flag(f, 1)
             elif name == "--warmup":
                 warmup = _int_flag(f, 0)
@@ -138,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         simulate_devices(cfg.mesh.simulated_devices)
         name = Path(path).stem if path else "default"
         record = run_bench(cfg, steps=steps, warmup=warmup, name=name)
+        if bubble:
+            if cfg.mesh.stage == 1:
+                raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
+            record["bubble"] = measure_bubble(cfg)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -243,9 +243,15 @@ class Transformer(nnx.Module):
             x = stage_fn(stacked, x)
         else:
             mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+            inner, batch_axis = layout.compute, None
+            if not layout.params_use_batch_axis:
+                # the data axis goes manual too (gradients reduced once, not per tick); inside,
+                # the batch is already this device's rows
+                inner, batch_axis = inner.with_(batch=None), inner["batch"]
             # inside the pipeline's shard_map, constraints resolve against its context mesh
-            with activation_rules(layout.compute, None, layout.grads):
-                x = pipeline.run(stage_fn, stacked, x, self.schedule, layout.compute["layers"], mesh)
+            with activation_rules(inner, None, inner if batch_axis else layout.grads):
+                x = pipeline.run(stage_fn, stacked, x, self.schedule, layout.compute["layers"],
+                                 mesh, batch_axis)
 
         with jax.named_scope("head"):
             x = self.final_norm(x)

@@ -91,11 +91,15 @@ def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh):
+def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh, batch_axis=None):
     """Apply all layers to x[B, ...] through the pipeline (storage-ordered `stacked` [L, ...]).
 
-    Per-device view inside a shard_map manual over `axis` (the stage axis); all other mesh axes
-    stay automatic, so data and tensor sharding propagate through it unchanged.
+    Per-device view inside a shard_map manual over `axis` (the stage axis) and, if given,
+    `batch_axis` (the data axis, when the weights are not sharded over it); other mesh axes
+    stay automatic, so tensor sharding propagates through unchanged. With the data axis
+    manual, the weights turn data-varying once, before the tick loop: the transpose of that
+    cast is the one gradient all-reduce over data, after the backward loop, instead of one per
+    tick that XLA emits when it sees the data axis inside the loop.
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     # [L, ...] -> [p, v, c, ...]: stage-major storage, so dim 0 splits over the stage axis
@@ -107,6 +111,8 @@ def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh):
     def per_stage(chunks, buf):
         # chunks[1, v, c, ...]: this stage's v chunks; buf[m, mb, ...]: stage 0's in/out slots
         chunks = jax.tree.map(lambda a: a[0], chunks)
+        if batch_axis is not None:
+            chunks = jax.lax.pcast(chunks, batch_axis, to="varying")
         s = jax.lax.axis_index(axis)
 
         def tick(carry, t):
@@ -122,12 +128,14 @@ def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh):
             buf = jax.lax.dynamic_update_index_in_dim(buf, jnp.where(back, held, old), slot, 0)
             return (held, buf), None
 
-        held = jax.lax.pcast(jnp.zeros_like(buf[0]), axis, to="varying")
         buf = jax.lax.pcast(buf, axis, to="varying")
+        held = jnp.zeros_like(buf[0])
         (_, buf), _ = jax.lax.scan(tick, (held, buf), jnp.arange(schedule.ticks),
                                    unroll=unroll())
         return buf[None]
 
-    out = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis),
-                        axis_names={axis})(chunks, micro)[0]
+    io = P(None, batch_axis)  # [m, mb, ...]: batch rows split over data when it is manual
+    manual = {axis} if batch_axis is None else {axis, batch_axis}
+    out = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), io), out_specs=P(axis, *io),
+                        axis_names=manual)(chunks, micro)[0]
     return out.swapaxes(0, 1).reshape(x.shape)

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .mesh import DATA, SEQ, STAGE, TENSOR
 
+ACTIVATION_NAMES = ("batch", "length", "res_length")  # never on a parameter
 LOGICAL_NAMES = (
     "batch", "length", "res_length", "embed", "heads", "kv_heads", "q_per_kv", "head_dim",
     "mlp", "vocab", "layers", "gate_up", "norm",
@@ -153,6 +154,7 @@ class Layout:
     compute: Rules  # activations, and parameters where they are used
     grads: Rules  # parameter cotangents
     mesh: object  # a Mesh, or None for the context mesh of `jax.set_mesh`
+    params_use_batch_axis: bool = False  # ZeRO-3: stored weights are split over the batch axis
 
     def sharding(self, spec: P):
         return spec if self.mesh is None else NamedSharding(self.mesh, spec)
@@ -162,11 +164,16 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd3d_layout", defaul
 
 
 @contextmanager
-def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None):
+def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None,
+                     params: Rules | None = None):
     """While tracing inside this block, `constrain` and `use_param` lay arrays out by `rules`
     (gradients by `grads`, default `rules`) on `mesh`. Without it both are no-ops, so the
     model also runs unsharded (one device, a notebook)."""
-    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh))
+    batch = None if rules is None else rules["batch"]
+    sharded = params is not None and batch is not None and any(
+        v == batch or (isinstance(v, tuple) and batch in v)
+        for k, v in params.table if k not in ACTIVATION_NAMES)
+    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh, sharded))
     try:
         yield
     finally:

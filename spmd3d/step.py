@@ -122,7 +122,7 @@ def make_grad_fn(cfg: Config, mesh, graphdef, rules: ZeroRules):
 
     def grads_and_loss(params, tokens):
         count = tokens.shape[0] * (tokens.shape[1] - 1)
-        with activation_rules(rules.compute, mesh, rules.grads):
+        with activation_rules(rules.compute, mesh, rules.grads, rules.params):
             if m == 1:
                 (total, _), g = value_and_grad(params, tokens)
                 g = constrain_grads(g)

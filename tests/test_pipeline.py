@@ -103,3 +103,15 @@ def test_parameter_bytes_drop_by_stage_count():
     # the compiled steps agree: parameters and both Adam moments of the blocks, 3/4 fewer
     saved = hlo.memory(one.compile()[0])["argument_bytes"] - hlo.memory(four.compile()[0])["argument_bytes"]
     assert saved == 3 * (block_bytes - block_bytes // 4)
+
+
+def test_gradients_reduced_over_data_once_per_step_not_per_tick():
+    c = cfg(**LAYOUTS["dp4_pp2"])
+    job = train.setup(c, devices_for(c))
+    colls = hlo.collectives(job.compile()[0].as_text(), job.mesh.shape)
+    over_data = [x for x in colls if "data" in x.axes]
+    assert over_data and all(x.trips == 1 for x in over_data), over_data
+    # the activations move between neighbouring stages only, once per tick each way
+    shifts = [x for x in colls if x.kind == "collective-permute"]
+    assert {x.axes for x in shifts} == {("stage",)}
+    assert sum(x.trips for x in shifts) == 2 * Schedule(2, 2).ticks
