@@ -1,0 +1,178 @@
+"""Causal ring attention over a mesh axis (context parallelism), zig-zag balanced.
+
+Per-device view (inside a shard_map manual over the ring axis, n devices): with the sequence in
+2n chunks, device i holds chunks i and 2n-1-i (the zig-zag layout), so every device does the
+same causal work. Queries stay put; K/V blocks travel around the ring with `ppermute`, and an
+online (flash-style) softmax accumulates the output in fp32. At ring step j device i holds the
+K/V of device src = (i - j) mod n:
+  j = 0:     its own chunks, causally masked;
+  src < i:   both query chunks see the first K/V chunk (src) entirely, the second not at all;
+  src > i:   the second query chunk (2n-1-i) sees both K/V chunks entirely, the first none;
+so after step 0 each step computes exactly half of a block pair and never a masked block.
+The backward pass (custom VJP) runs the ring again, with dK/dV travelling alongside K/V so
+they arrive home after n shifts; memory is O(local block), not O(sequence).
+Shapes: q[B, T, K, G, H], k/v[B, T, K, H] with T the local length (two chunks of T/2).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+
+
+def zigzag_order(seq_len: int, n: int) -> np.ndarray:
+    """Global position held at each place of the zig-zag layout (device-major)."""
+    c = seq_len // (2 * n)
+    chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def _scores(q, k, scale):
+    return jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=F32) * scale
+
+
+def _block_fwd(q, k, v, scale, mask=None):
+    """Unnormalized block output and its row statistics: (o[B,T,K,G,H], m, l[B,K,G,T])."""
+    s = _scores(q, k, scale)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=F32)
+    return o, m, jnp.sum(p, axis=-1)
+
+
+def _rows(x_bkgt):  # [B, K, G, T] -> [B, T, K, G, 1] to scale outputs row-wise
+    return jnp.moveaxis(x_bkgt, 3, 1)[..., None]
+
+
+def _merge(acc, new):
+    (o1, m1, l1), (o2, m2, l2) = acc, new
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return o1 * _rows(a1) + o2 * _rows(a2), m, l1 * a1 + l2 * a2
+
+
+def _halves(x, axis):
+    c = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, c, axis=axis), jax.lax.slice_in_dim(x, c, 2 * c, axis=axis)
+
+
+def _local_mask(t, i, n):
+    """Causal mask of a device's own two chunks against themselves (step 0)."""
+    c = t // 2
+    pos = jnp.concatenate([i * c + jnp.arange(c), (2 * n - 1 - i) * c + jnp.arange(c)])
+    return pos[:, None] >= pos[None, :]
+
+
+def _step_update(acc, q, k, v, src, i, scale):
+    """Merge the visible half-block of ring step with K/V from `src` (src != i)."""
+
+    def early(acc):  # src < i: all queries, first K/V chunk
+        k1, v1 = _halves(k, 1)[0], _halves(v, 1)[0]
+        return _merge(acc, _block_fwd(q, k1, v1, scale))
+
+    def late(acc):  # src > i: second query chunk, all K/V
+        q2 = _halves(q, 1)[1]
+        (o_a, o_b), (m_a, m_b), (l_a, l_b) = _halves(acc[0], 1), _halves(acc[1], 3), _halves(acc[2], 3)
+        o_b, m_b, l_b = _merge((o_b, m_b, l_b), _block_fwd(q2, k, v, scale))
+        return (jnp.concatenate([o_a, o_b], 1), jnp.concatenate([m_a, m_b], 3),
+                jnp.concatenate([l_a, l_b], 3))
+
+    return jax.lax.cond(src < i, early, late, acc)
+
+
+def _forward(q, k, v, axis, n):
+    i = jax.lax.axis_index(axis)
+    scale = q.shape[-1] ** -0.5
+    shift = [(d, (d + 1) % n) for d in range(n)]
+    kv = (k, v)
+    nxt = jax.lax.ppermute(kv, axis, shift)  # in flight while the local block computes
+    acc = _block_fwd(q, k, v, scale, _local_mask(q.shape[1], i, n))
+
+    def body(carry, j):
+        acc, kv = carry
+        nxt = jax.lax.ppermute(kv, axis, shift)  # issued before the compute it overlaps
+        acc = _step_update(acc, q, kv[0], kv[1], (i - j) % n, i, scale)
+        return (acc, nxt), None
+
+    if n > 1:
+        (acc, _), _ = jax.lax.scan(body, (acc, nxt), jnp.arange(1, n))
+    o, m, l = acc
+    out = (o / _rows(l)).astype(q.dtype)
+    return out, m + jnp.log(l)  # log-sum-exp per row, for the backward
+
+
+def _block_bwd(q, k, v, do, lse, delta, scale, mask=None):
+    """(dq, dk, dv) of one block, recomputing probabilities from the saved log-sum-exp."""
+    s = _scores(q, k, scale)
+    p = jnp.exp(s - lse[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(do.dtype), do, preferred_element_type=F32)
+    dp = jnp.einsum("btkgh,bskh->bkgts", do, v, preferred_element_type=F32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bkgts,bskh->btkgh", ds.astype(k.dtype), k, preferred_element_type=F32)
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(q.dtype), q, preferred_element_type=F32)
+    return dq, dk, dv
+
+
+def _backward(q, k, v, out, lse, do, axis, n):
+    i = jax.lax.axis_index(axis)
+    scale = q.shape[-1] ** -0.5
+    shift = [(d, (d + 1) % n) for d in range(n)]
+    delta = jnp.moveaxis(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 3)  # [B,K,G,T]
+
+    dq, dk, dv = _block_bwd(q, k, v, do, lse, delta, scale, _local_mask(q.shape[1], i, n))
+
+    def body(carry, j):
+        dq, (k, v, dk, dv) = carry
+        src = (i - j) % n
+
+        def early(args):
+            dq, dk, dv = args
+            (k1, _), (v1, _) = _halves(k, 1), _halves(v, 1)
+            a, b, c = _block_bwd(q, k1, v1, do, lse, delta, scale)
+            (dk1, dk2), (dv1, dv2) = _halves(dk, 1), _halves(dv, 1)
+            return dq + a, jnp.concatenate([dk1 + b, dk2], 1), jnp.concatenate([dv1 + c, dv2], 1)
+
+        def late(args):
+            dq, dk, dv = args
+            (_, q2), (_, do2) = _halves(q, 1), _halves(do, 1)
+            (_, lse2), (_, delta2) = _halves(lse, 3), _halves(delta, 3)
+            a, b, c = _block_bwd(q2, k, v, do2, lse2, delta2, scale)
+            dq1, dq2 = _halves(dq, 1)
+            return jnp.concatenate([dq1, dq2 + a], 1), dk + b, dv + c
+
+        dq, dk, dv = jax.lax.cond(src < i, early, late, (dq, dk, dv))
+        return (dq, jax.lax.ppermute((k, v, dk, dv), axis, shift)), None
+
+    # K/V and their gradients move on together: after n shifts dK/dV are home
+    travelling = jax.lax.ppermute((k, v, dk, dv), axis, shift)
+    if n > 1:
+        (dq, travelling), _ = jax.lax.scan(body, (dq, travelling), jnp.arange(1, n))
+    _, _, dk, dv = travelling
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ring_attention_local(q, k, v, axis: str, n: int):
+    """Per-device causal ring attention (see module doc); `n` is the ring axis size."""
+    return _forward(q, k, v, axis, n)[0]
+
+
+def _fwd(q, k, v, axis, n):
+    out, lse = _forward(q, k, v, axis, n)
+    return out, (q, k, v, out, lse)
+
+
+def _bwd(axis, n, res, do):
+    return _backward(*res, do, axis, n)
+
+
+ring_attention_local.defvjp(_fwd, _bwd)
