@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from .config import ModelConfig
 from . import pipeline
 from .pipeline import Schedule
+from .ring import ring_attention, ring_attention_local, zigzag_order
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        use_param)
 
@@ -104,6 +105,37 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
 
 
+def _ring():
+    """(mesh, axis, size) of the ring the sequence is split over, or None."""
+    layout = current_layout()
+    if layout is None or layout.compute["length"] is None:
+        return None
+    mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+    axis = layout.compute["length"]
+    return (mesh, axis, mesh.shape[axis]) if mesh.shape[axis] > 1 else None
+
+
+def sequence_order(seq_len: int):
+    """Global position of each place of the model's token layout: the zig-zag order when the
+    sequence is split over a ring (so causal work is balanced), else None (the identity).
+    Inputs, labels and RoPE positions all follow it, so the loss is unchanged."""
+    ring = _ring()
+    return None if ring is None else zigzag_order(seq_len, ring[2])
+
+
+def attend(q_btkgh, k_bskh, v_bskh):
+    """Causal attention: block-causal on one device, ring attention when T is split."""
+    layout = current_layout()
+    if layout is not None and layout.ring is not None:  # already per device over the ring
+        return ring_attention_local(q_btkgh, k_bskh, v_bskh, *layout.ring)
+    ring = _ring()
+    if ring is None:
+        return causal_attention(q_btkgh, k_bskh, v_bskh)
+    mesh, axis, _ = ring
+    # nested inside the pipeline's shard_map, `mesh` is the context (abstract) mesh
+    return ring_attention(q_btkgh, k_bskh, v_bskh, axis, mesh)
+
+
 def embed_lookup(table_vd, ids_bt):
     """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
 
@@ -156,7 +188,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         with jax.named_scope("attention"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
-            out = constrain(causal_attention(q, k, v), ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
+            out = constrain(attend(q, k, v), ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         # row-parallel: contracting the tensor-split heads all-reduces (or reduce-scatters) y
         return jnp.einsum("btkgh,kghd->btd", out, _use(self.w_o, self.dtype))
 
@@ -230,34 +262,45 @@ class Transformer(nnx.Module):
 
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(x, params):
-            return nnx.merge(graphdef, params)(x, cos, sin), None
+        def stage_fn(chunk, x, rope):  # a chunk of stacked layers [c, ...] applied in order
+            def layer(x, params):
+                return nnx.merge(graphdef, params)(x, *rope), None
 
-        layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
-
-        def stage_fn(chunk, x):  # a chunk of stacked layers [c, ...] applied in order
+            layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
             return jax.lax.scan(layer, x, chunk, unroll=pipeline.unroll())[0]
 
         layout = current_layout()
         if self.schedule is None or self.schedule.stages == 1 or layout is None:
-            x = stage_fn(stacked, x)
+            x = stage_fn(stacked, x, (cos, sin))
         else:
-            mesh = layout.mesh or jax.sharding.get_abstract_mesh()
-            inner, batch_axis = layout.compute, None
-            if not layout.params_use_batch_axis:
-                # the data axis goes manual too (gradients reduced once, not per tick); inside,
-                # the batch is already this device's rows
-                inner, batch_axis = inner.with_(batch=None), inner["batch"]
-            # inside the pipeline's shard_map, constraints resolve against its context mesh
-            with activation_rules(inner, None, inner if batch_axis else layout.grads):
-                x = pipeline.run(stage_fn, stacked, x, self.schedule, layout.compute["layers"],
-                                 mesh, batch_axis)
+            x = self._pipelined(stage_fn, stacked, x, (cos, sin), layout)
 
         with jax.named_scope("head"):
             x = self.final_norm(x)
             logits = jnp.einsum("btd,dv->btv", x, _use(self.head, cfg.dtype),
                                 preferred_element_type=jnp.float32)
             return constrain(logits, ("batch", "length", "vocab"))
+
+    def _pipelined(self, stage_fn, stacked, x, rope, layout):
+        """Run the stack through the pipeline. Besides `stage`, the data axis (unless ZeRO-3
+        splits the weights over it: gradients are then reduced once, not per tick) and the
+        ring axis go manual inside it; inside, rules drop those axes and attention uses the
+        per-device ring directly (a nested shard_map would mix the two levels' manual axes)."""
+        mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+        inner, batch_axis, seq_axis, ring = layout.compute, None, None, None
+        if not layout.params_use_batch_axis:
+            inner, batch_axis = inner.with_(batch=None), inner["batch"]
+        if _ring() is not None:
+            seq_axis = inner["length"]
+            res = inner["res_length"]
+            res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None
+            inner = inner.with_(length=None, res_length=res[0] if res else None)
+            ring = (seq_axis, mesh.shape[seq_axis])
+        grads = inner if batch_axis is not None else layout.grads  # no manual axis in them
+        # inside the pipeline's shard_map, constraints resolve against its context mesh
+        with activation_rules(inner, None, grads, ring=ring):
+            return pipeline.run(stage_fn, stacked, x, rope, self.schedule,
+                                layout.compute["layers"], mesh, batch_axis, seq_axis)
 
 
 def abstract_model(cfg: ModelConfig, remat: str = "none", schedule: Schedule | None = None):

@@ -91,12 +91,15 @@ def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh, batch_axis=None):
+def run(stage_fn, stacked, x, consts, schedule: Schedule, axis: str, mesh, batch_axis=None,
+        seq_axis=None):
     """Apply all layers to x[B, ...] through the pipeline (storage-ordered `stacked` [L, ...]).
 
     Per-device view inside a shard_map manual over `axis` (the stage axis) and, if given,
-    `batch_axis` (the data axis, when the weights are not sharded over it); other mesh axes
-    stay automatic, so tensor sharding propagates through unchanged. With the data axis
+    `batch_axis` (the data axis, when the weights are not sharded over it) and `seq_axis` (the
+    ring axis, when T is split); other mesh axes stay automatic, so tensor sharding propagates
+    through unchanged. `consts` ([1, T, ...] arrays such as RoPE tables) reach `stage_fn(chunk,
+    x, consts)` with their T split like x's. With the data axis
     manual, the weights turn data-varying once, before the tick loop: the transpose of that
     cast is the one gradient all-reduce over data, after the backward loop, instead of one per
     tick that XLA emits when it sees the data axis inside the loop.
@@ -108,7 +111,7 @@ def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh, batch_axis=No
     micro = x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
     ring = [(s, (s + 1) % p) for s in range(p)]
 
-    def per_stage(chunks, buf):
+    def per_stage(chunks, buf, consts):
         # chunks[1, v, c, ...]: this stage's v chunks; buf[m, mb, ...]: stage 0's in/out slots
         chunks = jax.tree.map(lambda a: a[0], chunks)
         if batch_axis is not None:
@@ -120,7 +123,7 @@ def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh, batch_axis=No
             # stage 0 feeds work item t from slot t mod m; the others run what they received
             inp = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(buf, t % m, 0, keepdims=False), held)
             r = jnp.clip((t - s) // m, 0, v - 1)  # this stage's repeat (chunk) at tick t
-            out = stage_fn(jax.tree.map(lambda a: a[r], chunks), inp)
+            out = stage_fn(jax.tree.map(lambda a: a[r], chunks), inp, consts)
             held = jax.lax.ppermute(out, axis, ring)
             # stage 0 files what came back from the last stage: work item t + 1 - p
             slot, back = (t + 1 - p) % m, (s == 0) & (t + 1 - p >= 0)
@@ -134,8 +137,8 @@ def run(stage_fn, stacked, x, schedule: Schedule, axis: str, mesh, batch_axis=No
                                    unroll=unroll())
         return buf[None]
 
-    io = P(None, batch_axis)  # [m, mb, ...]: batch rows split over data when it is manual
-    manual = {axis} if batch_axis is None else {axis, batch_axis}
-    out = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), io), out_specs=P(axis, *io),
-                        axis_names=manual)(chunks, micro)[0]
+    io = P(None, batch_axis, seq_axis)  # [m, mb, T, ...]: rows over data, T over the ring
+    manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
+    out = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), io, P(None, seq_axis)),
+                        out_specs=P(axis, *io), axis_names=manual)(chunks, micro, consts)[0]
     return out.swapaxes(0, 1).reshape(x.shape)

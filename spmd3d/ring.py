@@ -21,6 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 F32 = jnp.float32
 
@@ -162,17 +163,47 @@ def _backward(q, k, v, out, lse, do, axis, n):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def ring_attention_local(q, k, v, axis: str, n: int):
-    """Per-device causal ring attention (see module doc); `n` is the ring axis size."""
+    """Per-device causal ring attention, for code already inside a shard_map manual over
+    `axis` (n devices), e.g. the pipeline's."""
     return _forward(q, k, v, axis, n)[0]
 
 
-def _fwd(q, k, v, axis, n):
+def _local_fwd(q, k, v, axis, n):
     out, lse = _forward(q, k, v, axis, n)
     return out, (q, k, v, out, lse)
 
 
-def _bwd(axis, n, res, do):
+def _local_bwd(axis, n, res, do):
     return _backward(*res, do, axis, n)
 
 
-ring_attention_local.defvjp(_fwd, _bwd)
+ring_attention_local.defvjp(_local_fwd, _local_bwd)
+
+
+def ring_attention(q, k, v, axis: str, mesh):
+    """Causal ring attention on global arrays whose T dim (in zig-zag order, see
+    `zigzag_order`) is split over mesh axis `axis`; other axes (heads over tensor, batch over
+    data) pass through automatically. The custom VJP wraps the two shard_maps from outside, so
+    the residuals are plain global arrays with explicit layouts (nested inside another
+    shard_map, implicit residual layouts would mix the outer and inner manual axes)."""
+    n = mesh.shape[axis]
+    seq, row = P(None, axis), P(None, None, None, axis)  # [B, T, ...] and lse[B, K, G, T]
+    fwd_map = jax.shard_map(lambda q, k, v: _forward(q, k, v, axis, n), mesh=mesh,
+                            in_specs=(seq,) * 3, out_specs=(seq, row), axis_names={axis})
+    bwd_map = jax.shard_map(lambda *a: _backward(*a, axis, n), mesh=mesh,
+                            in_specs=(seq, seq, seq, seq, row, seq), out_specs=(seq,) * 3,
+                            axis_names={axis})
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return fwd_map(q, k, v)[0]
+
+    def attend_fwd(q, k, v):
+        out, lse = fwd_map(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attend_bwd(res, do):
+        return bwd_map(*res, do)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v)

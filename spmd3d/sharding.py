@@ -155,6 +155,7 @@ class Layout:
     grads: Rules  # parameter cotangents
     mesh: object  # a Mesh, or None for the context mesh of `jax.set_mesh`
     params_use_batch_axis: bool = False  # ZeRO-3: stored weights are split over the batch axis
+    ring: tuple | None = None  # (axis, size) when T is already per device over a manual ring
 
     def sharding(self, spec: P):
         return spec if self.mesh is None else NamedSharding(self.mesh, spec)
@@ -165,7 +166,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd3d_layout", defaul
 
 @contextmanager
 def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None,
-                     params: Rules | None = None):
+                     params: Rules | None = None, ring: tuple | None = None):
     """While tracing inside this block, `constrain` and `use_param` lay arrays out by `rules`
     (gradients by `grads`, default `rules`) on `mesh`. Without it both are no-ops, so the
     model also runs unsharded (one device, a notebook)."""
@@ -173,7 +174,7 @@ def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None,
     sharded = params is not None and batch is not None and any(
         v == batch or (isinstance(v, tuple) and batch in v)
         for k, v in params.table if k not in ACTIVATION_NAMES)
-    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh, sharded))
+    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh, sharded, ring))
     try:
         yield
     finally:

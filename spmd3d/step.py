@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .config import Config
-from .model import Transformer, abstract_model
+from .model import Transformer, abstract_model, sequence_order
 from .pipeline import Schedule, layer_order, reorder_layers
 from .optim import lr_schedule, make_optimizer
 from .sharding import ZeroRules, activation_rules, constrain, zero_rules
@@ -98,7 +98,11 @@ def init_state(cfg: Config, mesh, shardings: TrainState) -> TrainState:
 def loss_sum(graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
     inputs, labels = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-    logits_btv = nnx.merge(graphdef, params)(inputs)
+    order = sequence_order(inputs.shape[1])  # zig-zag under ring attention: a permutation
+    positions = None
+    if order is not None:
+        inputs, labels, positions = inputs[:, order], labels[:, order], jnp.asarray(order)
+    logits_btv = nnx.merge(graphdef, params)(inputs, positions)
     logp = jax.nn.log_softmax(logits_btv, axis=-1)
     # a one-hot contraction keeps the vocab dim sharded (a gather would all-gather the logits)
     onehot = constrain(jax.nn.one_hot(labels, logits_btv.shape[-1], dtype=logp.dtype),

@@ -159,7 +159,7 @@ STATIC_CASES = [
     ("circular-needs-microbatches", ["mesh.stage=2", "parallel.pipeline_repeats=2",
                                      "train.microbatches=1"], "train.microbatches"),
     ("pipeline-batch-not-div", ["mesh.stage=2", "train.microbatches=3"], "train.global_batch"),
-    ("seq-2", ["mesh.seq=2"], "mesh.seq"),
+    ("seq-len-not-div-zigzag", ["mesh.seq=4", "mesh.tensor=1", "train.seq_len=100"], "train.seq_len"),
     ("tensor-zero", ["mesh.tensor=0"], "mesh.tensor"),
     ("missing-config-file", ["MISSING"], "config"),
     ("invalid-yaml", ["BAD_YAML"], "config"),

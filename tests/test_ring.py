@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
 
 from spmd3d.model import causal_attention
-from spmd3d.ring import ring_attention_local, zigzag_order
+from spmd3d.ring import ring_attention, zigzag_order
 
 B, T, K, G, H = 2, 64, 2, 3, 8  # 6 query heads sharing 2 kv heads
 
@@ -24,9 +24,7 @@ def ring(n):
     inverse = np.argsort(order)
 
     def attend(q, k, v):
-        f = jax.shard_map(lambda q, k, v: ring_attention_local(q, k, v, "seq", n), mesh=mesh,
-                          in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
-        return f(q[:, order], k[:, order], v[:, order])[:, inverse]
+        return ring_attention(q[:, order], k[:, order], v[:, order], "seq", mesh)[:, inverse]
 
     return attend
 
