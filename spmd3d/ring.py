@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .pipeline import unroll
+
 F32 = jnp.float32
 
 
@@ -103,7 +105,7 @@ def _forward(q, k, v, axis, n):
         return (acc, nxt), None
 
     if n > 1:
-        (acc, _), _ = jax.lax.scan(body, (acc, nxt), jnp.arange(1, n))
+        (acc, _), _ = jax.lax.scan(body, (acc, nxt), jnp.arange(1, n), unroll=unroll())
     o, m, l = acc
     out = (o / _rows(l)).astype(q.dtype)
     return out, m + jnp.log(l)  # log-sum-exp per row, for the backward
@@ -156,7 +158,8 @@ def _backward(q, k, v, out, lse, do, axis, n):
     # K/V and their gradients move on together: after n shifts dK/dV are home
     travelling = jax.lax.ppermute((k, v, dk, dv), axis, shift)
     if n > 1:
-        (dq, travelling), _ = jax.lax.scan(body, (dq, travelling), jnp.arange(1, n))
+        (dq, travelling), _ = jax.lax.scan(body, (dq, travelling), jnp.arange(1, n),
+                                           unroll=unroll())
     _, _, dk, dv = travelling
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

@@ -1,9 +1,14 @@
 """Context parallelism over `seq`: ring attention in the model gives the 1-device numbers."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
-from helpers import first_grads, max_rel_diff, small_config, train_losses
+from helpers import devices_for, first_grads, max_rel_diff, small_config, train_losses
+from spmd3d import hlo, pipeline, train
+from spmd3d.ring import _block_fwd, ring_attention
 
 L4 = ["model.num_layers=4"]
 
@@ -43,3 +48,43 @@ def test_context_parallel_grads_match_one_device(reference, name):
     for k, g in grads.items():
         scale = np.max(np.abs(ref_grads[k]))
         assert np.max(np.abs(g - ref_grads[k])) <= 1e-5 * scale, k
+
+
+LONG = ["model.num_layers=1", "train.seq_len=4096", "train.global_batch=1", "model.d_model=64",
+        "model.num_heads=4", "model.num_kv_heads=4", "model.d_ff=128"]
+
+
+def test_activation_memory_falls_with_the_ring():
+    """Per-device temporaries of the compiled step at 4096 tokens fall at least as 1/seq:
+    the ring never holds more than one local block of scores, and the backward recomputes
+    them instead of keeping the forward's."""
+    temp = {}
+    for n in (1, 2, 4, 8):
+        c = small_config(seq=n, extra=LONG)
+        temp[n] = hlo.memory(train.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
+    for n in (2, 4, 8):
+        assert temp[n] <= temp[1] / n, temp
+
+
+def test_zigzag_ring_computes_about_half_the_blocks():
+    """Per-device attention FLOPs of the zig-zag ring over those of a causal-unaware ring (n
+    full local blocks, masked): (n+1)/(2n) — the local step plus n-1 half blocks."""
+    t, b, k, g, h = 1024, 1, 2, 2, 16
+    q = jax.ShapeDtypeStruct((b, t, k, g, h), jnp.float32)
+    kv = jax.ShapeDtypeStruct((b, t, k, h), jnp.float32)
+
+    def flops(f, *args):
+        with pipeline.unrolled_loops():
+            analysis = jax.jit(f).lower(*args).compile().cost_analysis()
+        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+    for n in (2, 4, 8):
+        mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        ring = flops(lambda q, k, v: ring_attention(q, k, v, "seq", mesh), q, kv, kv)
+        ql = jax.ShapeDtypeStruct((b, t // n, k, g, h), jnp.float32)
+        kvl = jax.ShapeDtypeStruct((b, t // n, k, h), jnp.float32)
+        mask = np.tril(np.ones((t // n, t // n), bool))
+        block = flops(lambda q, k, v: _block_fwd(q, k, v, 1.0, mask)[0], ql, kvl, kvl)
+        # the ring's forward alone: its output's FLOPs exclude any backward
+        ratio = ring / (n * block)
+        assert abs(ratio - (n + 1) / (2 * n)) < 0.05, (n, ratio)
