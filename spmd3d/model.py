@@ -92,6 +92,7 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
     block's softmax runs over its whole key prefix, so the result equals dense attention.
     """
     t = q_btkgh.shape[1]
+    block = max(block, t // 8)  # at most 8 query blocks: compile time grows with the count
     n = t // block if t % block == 0 and t > block else 1
     size, scale = t // n, q_btkgh.shape[-1] ** -0.5
     outs = []
