@@ -64,7 +64,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
     import jax
 
     from . import hlo
-    from .metrics import flops_per_token
+    from .metrics import mfu
     from .step import init_state
     from .train import setup
 
@@ -106,7 +106,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "step_time_median_s": median,
         "step_time_mean_s": statistics.fmean(times),
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * flops_per_token(cfg.model, cfg.train.seq_len) / peak_flops,
+        "mfu": mfu(tokens_per_s, cfg.model, cfg.train.seq_len, peak_flops),
         "memory": hlo.memory(compiled),
         "peak_bytes": (stats or {}).get("peak_bytes_in_use"),
         "collectives": [{"kind": k, "axes": list(a), "count": n}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path

@@ -134,16 +134,17 @@ class Param(nnx.Param):
         self.set_metadata("axes", tuple(axes))
 
 
-def logical_axes(state):
-    """Pytree (same structure as an nnx.State of Variables) of logical-name tuples."""
-    return jax.tree.map(lambda v: v.get_metadata("axes"), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+def shardings_for(tree, rules: Rules, mesh):
+    """NamedShardings for a pytree, in its exact structure (Variables stay Variables, holding a
+    sharding): Variables by their logical `axes`, other leaves (step counters) replicated."""
 
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            sharding = NamedSharding(mesh, rules.spec(x.get_metadata("axes")))
+            return jax.tree.map(lambda _: sharding, x)
+        return NamedSharding(mesh, P())
 
-def tree_shardings(state, rules: Rules, mesh):
-    """NamedShardings for every Variable of `state` under `rules`."""
-    return jax.tree.map(lambda v: NamedSharding(mesh, rules.spec(v.get_metadata("axes"))), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 # ---------------------------------------------------------------------------------------------

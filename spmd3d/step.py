@@ -23,30 +23,13 @@ from .config import Config
 from .model import Transformer, abstract_model, sequence_order
 from .pipeline import Schedule, layer_order, reorder_layers
 from .optim import lr_schedule, make_optimizer
-from .sharding import ZeroRules, activation_rules, constrain, zero_rules
+from .sharding import ZeroRules, activation_rules, constrain, shardings_for, zero_rules
 
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: nnx.State  # fp32 master weights, canonical [L, ...] layout
     opt_state: optax.OptState
-
-
-def is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def shardings_for(tree, rules, mesh):
-    """NamedShardings for a pytree, in its exact structure (Variables stay Variables, holding a
-    sharding): Variables by their logical `axes`, other leaves (step counters) replicated."""
-
-    def one(x):
-        if is_var(x):
-            sharding = NamedSharding(mesh, rules.spec(x.get_metadata("axes")))
-            return jax.tree.map(lambda _: sharding, x)
-        return NamedSharding(mesh, P())
-
-    return jax.tree.map(one, tree, is_leaf=is_var)
 
 
 def schedule_of(cfg: Config) -> Schedule | None:

@@ -134,7 +134,7 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     import jax
 
     from .checkpoint import Checkpointer
-    from .metrics import MetricsLog, flops_per_token, format_line
+    from .metrics import MetricsLog, format_line, mfu
     from .sharding import describe, format_table, zero_rules
     from .step import schedule_of
 
@@ -166,7 +166,6 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     log = MetricsLog(run_dir / "metrics.jsonl" if lead else None)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     peak = job.topology.peak_flops(cfg.model.dtype, n_dev)
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     records, t_last, steps_since = [], time.perf_counter(), 0
 
     def meta(step):
@@ -185,7 +184,7 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
             tps = tokens_per_step / dt
             rec = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                    "lr": float(m["lr"]), "tokens_per_s": tps, "step_time_s": dt,
-                   "mfu": tps * fpt / peak}
+                   "mfu": mfu(tps, cfg.model, cfg.train.seq_len, peak)}
             records.append(rec)
             log.write(rec)
             if lead:

@@ -55,3 +55,28 @@ def first_grads(cfg):
 def max_rel_diff(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def reference_run(cfg):
+    """(per-step losses, (loss, grads) at step 0) of `cfg` on one device: what layouts match."""
+    return train_losses(cfg)[0], first_grads(cfg)
+
+
+def assert_losses_match(cfg, ref_losses):
+    """`cfg` on all 8 devices gives the reference losses at every step (relative < 1e-4)."""
+    losses, job, _ = train_losses(cfg)
+    assert job.mesh.size == 8
+    assert max_rel_diff(losses, ref_losses) < 1e-4, (losses, ref_losses)
+
+
+def assert_grads_match(cfg, reference_grads):
+    """Loss (relative 1e-5) and every gradient leaf (1e-5 of its largest value) at step 0."""
+    ref_loss, ref_grads = reference_grads
+    loss, grads = first_grads(cfg)
+    assert abs(loss - ref_loss) / ref_loss < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    for k, g in grads.items():
+        r = ref_grads[k]
+        scale = np.max(np.abs(r))
+        assert scale > 0, k
+        assert np.max(np.abs(g - r)) <= 1e-5 * scale, (k, np.max(np.abs(g - r)), scale)

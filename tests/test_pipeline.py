@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import devices_for, first_grads, max_rel_diff, small_config, train_losses
+from helpers import (assert_grads_match, assert_losses_match, devices_for, reference_run,
+                     small_config)
 from spmd3d import hlo, pipeline, train
 from spmd3d.pipeline import Schedule, layer_order
 
@@ -31,26 +32,17 @@ def cfg(extra=(), **kw):
 
 @pytest.fixture(scope="module")
 def reference():
-    c = cfg()
-    losses, _, _ = train_losses(c)
-    return losses, first_grads(c)
+    return reference_run(cfg())
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_losses_match_one_device(reference, name):
-    losses, job, _ = train_losses(cfg(**LAYOUTS[name]))
-    assert job.mesh.size == 8
-    assert max_rel_diff(losses, reference[0]) < 1e-4, (losses, reference[0])
+    assert_losses_match(cfg(**LAYOUTS[name]), reference[0])
 
 
 @pytest.mark.parametrize("name", ["dp2_pp4_m4", "dp2_pp2_tp2_v2"])
 def test_pipeline_grads_match_one_device(reference, name):
-    ref_loss, ref_grads = reference[1]
-    loss, grads = first_grads(cfg(**LAYOUTS[name]))
-    assert abs(loss - ref_loss) / ref_loss < 1e-5
-    for k, g in grads.items():
-        scale = np.max(np.abs(ref_grads[k]))
-        assert np.max(np.abs(g - ref_grads[k])) <= 1e-5 * scale, k
+    assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
 
 
 def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
