@@ -110,6 +110,7 @@ class CheckpointConfig:
     every: int = 50
     keep: int = 3
     async_: bool = True  # spelled `async` in YAML and on the command line
+    fallback: bool = False  # a damaged newest checkpoint: resume from the previous good one
 
 
 @dataclass(frozen=True)

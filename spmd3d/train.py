@@ -15,6 +15,7 @@ import numpy as np
 import yaml
 
 from . import config as config_lib
+from . import dist
 from .config import Config, ConfigError
 from .data import DataError
 from .mesh import simulate_devices
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("argv", f"unknown flag {f} (known: {', '.join(FLAGS)})")
         cfg = config_lib.load(path, overrides)
         simulate_devices(cfg.mesh.simulated_devices)
+        dist.initialize(cfg)
         train(cfg, explain="--explain" in flags)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
