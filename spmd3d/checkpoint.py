@@ -1,4 +1,4 @@
-"""Sharded, mesh-independent checkpoints on top of orbax.
+"""Sharded, mesh-independent, verifiable checkpoints on top of orbax.
 
 Each checkpoint step holds two orbax items:
 
@@ -8,24 +8,97 @@ Each checkpoint step holds two orbax items:
   host. Because parameters are kept in a canonical layout, the saved arrays do
   not depend on the mesh: restoring onto another mesh only needs new target
   shardings.
-* ``meta`` -- a small JSON dict (step, data_step, resolved config, mesh shape).
+* ``meta`` -- a small JSON dict (step, data_step, resolved config, mesh shape)
+  plus a fingerprint of every array, checked after each restore: a damaged
+  file never turns silently into wrong weights.
 
 Commits are atomic through orbax: on local/POSIX filesystems a step is written
-to ``<step>.orbax-checkpoint-tmp-<ts>`` and renamed when complete; on GCS a
+to ``<step>.orbax-checkpoint-tmp`` and renamed when complete; on GCS a
 ``commit_success.txt`` marker is written last. Unfinished steps are never
 listed.
+
+``python -m spmd3d.checkpoint info RUN_DIR [--verify]`` lists a run's checkpoints;
+``load(RUN_DIR)`` returns the parameters as a pytree for a notebook.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+from .config import ConfigError
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
+TMP_MARK = '.orbax-checkpoint-tmp'
+# config fields that decide the arrays' shapes: a checkpoint written with other values cannot load
+MODEL_SHAPE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim', 'd_ff',
+                      'vocab_size', 'param_dtype')
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used as asked (exit status 2, one line, nothing deleted)."""
+
+
+class Damaged(Exception):
+    """A committed step whose files do not read back as they were written."""
+
+    def __init__(self, step: int, why: str):
+        super().__init__(f'step {step} is damaged ({why})')
+        self.step, self.why = step, why
+
+
+# ------------------------------------------------------------------------------- fingerprints
+def _leaf_hash(x: jax.Array) -> jax.Array:
+    """Position-weighted sum of the bit patterns, mod 2**32. Integer addition is associative, so
+    the value is the same whatever the sharding or reduction order; a flipped bit, a zeroed
+    chunk or two swapped blocks all change it."""
+    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                            8: jnp.uint32}[x.dtype.itemsize])
+    bits = bits.astype(jnp.uint32)
+    if bits.ndim > x.ndim:  # 8-byte types bitcast to [..., 2]
+        bits = bits[..., 0] ^ (bits[..., 1] * jnp.uint32(0x85EBCA6B))
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(bits.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride)
+        stride = (stride * bits.shape[d]) % (1 << 32)
+    return jnp.sum(bits * (index * jnp.uint32(0x9E3779B1) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+_hash_all = jax.jit(lambda tree: jax.tree.map(_leaf_hash, tree))
+
+
+def _keyed(tree) -> dict:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p, simple=True, separator='/'): x for p, x in leaves}
+
+
+def fingerprint(state: Any) -> dict[str, int]:
+    """{leaf path: 32-bit hash} of an array pytree, computed where the arrays live (nothing is
+    gathered; one small jitted reduction per leaf)."""
+    return {k: int(v) for k, v in _keyed(jax.device_get(_hash_all(state))).items()}
+
+
+def _all_processes(ok: bool) -> bool:
+    """True when `ok` holds on every process (a read error may hit only the process that
+    owns the damaged chunk; all must agree before any collective runs)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
 def abstract_like(state: Any, shardings: Any | None = None) -> Any:
@@ -63,6 +136,7 @@ class Checkpointer:
         every: int,
         keep: int,
         async_save: bool = True,
+        cleanup_tmp: bool = False,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = int(every)
@@ -77,10 +151,10 @@ class Checkpointer:
             ),
             enable_async_checkpointing=self.async_save,
             create=True,
-            # Leave others' temp dirs alone: deleting them on open would break
-            # a writer still running against the same directory. Unfinished
-            # temp dirs are never listed as steps anyway.
-            cleanup_tmp_directories=False,
+            # Unfinished temp dirs are never listed as steps. A training run owns
+            # its directory and removes those a killed run left (`cleanup_tmp`);
+            # readers leave them alone, as a writer may still be running.
+            cleanup_tmp_directories=cleanup_tmp,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
@@ -120,8 +194,9 @@ class Checkpointer:
             return False
         if step in self._mngr.all_steps():
             return False
+        meta = {**meta, 'fingerprint': fingerprint(state)}
         args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(dict(meta))}
+            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
         saved = self._mngr.save(step, args=args, force=True)
         if saved and self.async_save:
@@ -134,7 +209,9 @@ class Checkpointer:
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with ``.sharding``
         set to the desired (possibly new-mesh) ``NamedSharding``s, with the
         same structure as the saved state. Each process reads only the chunks
-        covering its addressable shards.
+        covering its addressable shards. The restored arrays are checked
+        against the fingerprint written with them; any read error or mismatch
+        raises ``Damaged`` (on every process alike).
         """
         if step is None:
             step = self.latest_step()
@@ -147,11 +224,59 @@ class Checkpointer:
                 'restore target leaves need a sharding (else orbax returns host numpy): '
                 + ', '.join(jax.tree_util.keystr(p) for p in missing[:5])
             )
-        args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardRestore(target), META_ITEM: ocp.args.JsonRestore()}
-        )
-        out = self._mngr.restore(int(step), args=args)
-        return out[STATE_ITEM], dict(out[META_ITEM])
+        step = int(step)
+        meta = self.read_meta(step)
+        state, why = None, ''
+        try:
+            state = self._mngr.restore(step, args=ocp.args.Composite(
+                **{STATE_ITEM: ocp.args.StandardRestore(target)}))[STATE_ITEM]
+        except Exception as e:  # noqa: BLE001 -- any read failure means the files are damaged
+            why = f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'
+        if not _all_processes(state is not None):
+            raise Damaged(step, why or 'another process could not read its shards')
+        expected = meta.get('fingerprint')
+        if expected is not None:
+            bad = [k for k, v in fingerprint(state).items() if expected.get(k) != v]
+            if bad:
+                raise Damaged(step, f'{bad[0]} does not match its fingerprint'
+                                    + (f' (+{len(bad) - 1} more arrays)' if len(bad) > 1 else ''))
+        return state, meta
+
+    def read_meta(self, step: int) -> dict:
+        """The JSON metadata of a committed step (raises ``Damaged`` if unreadable)."""
+        try:
+            out = self._mngr.restore(int(step), args=ocp.args.Composite(
+                **{META_ITEM: ocp.args.JsonRestore()}))
+            meta = dict(out[META_ITEM])
+        except Exception as e:  # noqa: BLE001
+            raise Damaged(step, f'metadata unreadable: {type(e).__name__}') from None
+        if 'step' not in meta:
+            raise Damaged(step, 'metadata has no step')
+        return meta
+
+    def saved_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{leaf path: (shape, dtype name)} as written, from orbax's metadata (no array reads)."""
+        md = _quiet(lambda: ocp.PyTreeCheckpointHandler().metadata(
+            self.step_dir(step) / STATE_ITEM))
+        tree = getattr(md, 'tree', md)
+        return {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in _keyed(tree).items()}
+
+    def step_dir(self, step: int) -> Path:
+        return Path(self.directory) / str(int(step))
+
+    def quarantine(self, step: int) -> Path:
+        """Moves a damaged step out of the way (never deletes it): ``<dir>.damaged/<step>-<t>``.
+        Process 0 moves it; every process then re-reads the step list."""
+        dest = Path(self.directory + '.damaged') / f'{int(step)}-{int(time.time())}'
+        if jax.process_index() == 0:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.step_dir(step)), dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f'spmd3d quarantine {step}')
+        self._mngr.reload()
+        return dest
 
     def wait(self) -> None:
         """Blocks until any pending asynchronous save is committed (re-raises its error)."""
@@ -168,3 +293,206 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _quiet(fn):
+    """Runs fn with orbax's informational logging silenced (e.g. its complaint that the devices
+    differ from the writer's, which is the point of restoring onto another mesh)."""
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.CRITICAL)
+    try:
+        return fn()
+    finally:
+        root.setLevel(level)
+
+
+# ------------------------------------------------------------------------------------ resuming
+def check_compatible(ckpt: Checkpointer, step: int, meta: dict, model: dict, target: dict) -> None:
+    """Raises ``CheckpointError`` naming the first field in which the checkpoint and the run's
+    model disagree (layer count, width, vocab, ...), then any array whose shape differs."""
+    where = f'checkpoint step {step} in {ckpt.directory}'
+    saved_model = meta.get('config', {}).get('model', {})
+    for name in MODEL_SHAPE_FIELDS:
+        if name in saved_model and name in model and saved_model[name] != model[name]:
+            raise CheckpointError(f'model.{name}', f'{where} was written with {saved_model[name]}, '
+                                  f'this run has {model[name]} (use another run.dir to start afresh)')
+    saved = ckpt.saved_shapes(step)
+    want = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in target.items()}
+    for k in sorted(set(saved) | set(want)):
+        if saved.get(k) != want.get(k):
+            raise CheckpointError('checkpoint', f'{where} does not match this model at {k}: '
+                                  f'saved {saved.get(k)}, expected {want.get(k)}')
+
+
+def restore_newest(ckpt: Checkpointer, target: dict, model: dict, *, fallback: bool = False,
+                   log=print) -> tuple[Any, dict] | None:
+    """(state, meta) of the newest committed step, or None when there is none.
+
+    A damaged newest step stops the run with a one-line ``CheckpointError`` that names it and
+    the step before it; with ``fallback`` the damaged step is moved aside (kept, not deleted)
+    and the previous one is tried. A checkpoint of another model is always an error.
+    """
+    steps = ckpt.all_steps()
+    while steps:
+        step = steps.pop()
+        try:
+            meta = ckpt.read_meta(step)
+            check_compatible(ckpt, step, meta, model, target)
+            return _quiet(lambda: ckpt.restore(step, target))
+        except Damaged as e:
+            if not fallback:
+                before = (f'the newest step before it is {steps[-1]}; rerun with '
+                          'checkpoint.fallback=true to resume from it' if steps
+                          else 'there is no earlier step')
+                raise CheckpointError('checkpoint', f'{ckpt.directory}: {e}; {before}') from None
+            moved = ckpt.quarantine(step)
+            log(f'warning: checkpoint {e}; moved to {moved}, trying the step before it')
+    return None
+
+
+# ------------------------------------------------------------------------- inspection / loading
+def _tree_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+
+
+def info(run_dir: str | os.PathLike, verify: bool = False) -> list[dict]:
+    """One dict per step directory (committed or not) of ``RUN_DIR/checkpoints``, ascending:
+    step, complete, mesh, zero stage, bytes, written (unix time) and, with ``verify``, whether
+    every array reads back with its fingerprint (restored onto this process's first device)."""
+    root = Path(run_dir) / 'checkpoints'
+    if not root.is_dir():
+        root = Path(run_dir)  # RUN_DIR/checkpoints itself was given
+    rows = []
+    for d in sorted(root.iterdir(), key=lambda p: (int(p.name.split('.')[0])
+                                                   if p.name.split('.')[0].isdigit() else -1)):
+        base = d.name.split(TMP_MARK)[0]
+        if not (d.is_dir() and base.isdigit()):
+            continue
+        row = {'step': int(base), 'complete': TMP_MARK not in d.name, 'path': str(d),
+               'bytes': _tree_size(d), 'written': d.stat().st_mtime, 'mesh': None, 'zero': None}
+        try:
+            meta = json.loads((d / META_ITEM / 'metadata').read_text())
+            row['mesh'] = meta.get('mesh')
+            row['zero'] = meta.get('config', {}).get('parallel', {}).get('zero_stage')
+        except (OSError, ValueError):
+            row['complete'] = False if not row['complete'] else row['complete']
+            row['problem'] = 'metadata unreadable'
+        rows.append(row)
+    if verify:
+        with Checkpointer(root, every=0, keep=1 << 30, async_save=False) as ckpt:
+            for row in rows:
+                if row['complete']:
+                    row['verified'] = _verify(ckpt, row['step'])
+    return rows
+
+
+def _single_device_target(ckpt: Checkpointer, step: int, keep=lambda key: True) -> dict:
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=dev)
+            for k, (shape, dtype) in ckpt.saved_shapes(step).items() if keep(k)}
+
+
+def _verify(ckpt: Checkpointer, step: int) -> str:
+    try:
+        _quiet(lambda: ckpt.restore(step, _single_device_target(ckpt, step)))
+        return 'ok'
+    except Damaged as e:
+        return e.why
+
+
+def load(run_dir: str | os.PathLike, step: int | None = None, mesh=None, *,
+         what: str = 'params') -> tuple[dict, dict]:
+    """(nested dict of arrays, meta) of one checkpoint's ``what`` subtree ('params',
+    'opt_state' or '' for everything), for a notebook.
+
+    ``mesh=None`` puts every array on this process's first device; with a ``jax.sharding.Mesh``
+    the arrays get the shardings this run's rules give them on that mesh (any shape of mesh, as
+    the stored layout is canonical). Only the arrays asked for are read.
+    """
+    root = Path(run_dir) / 'checkpoints'
+    with Checkpointer(root if root.is_dir() else run_dir, every=0, keep=1 << 30,
+                      async_save=False) as ckpt:
+        step = ckpt.latest_step() if step is None else int(step)
+        if step is None:
+            raise FileNotFoundError(f'no committed checkpoint in {ckpt.directory}')
+        meta = ckpt.read_meta(step)
+        prefix = f'{what}/' if what else ''
+        if mesh is None:
+            target = _single_device_target(ckpt, step, lambda k: k.startswith(prefix))
+        else:
+            target = {k: v for k, v in _mesh_target(meta, mesh).items() if k.startswith(prefix)}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        arrays = _quiet(lambda: ocp.PyTreeCheckpointer().restore(
+            ckpt.step_dir(step) / STATE_ITEM,
+            args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                        partial_restore=True)))
+    expected = meta.get('fingerprint', {})
+    bad = [k for k, v in fingerprint(arrays).items() if k in expected and expected[k] != v]
+    if bad:
+        raise Damaged(step, f'{bad[0]} does not match its fingerprint')
+    nested: dict = {}
+    for key, x in arrays.items():
+        *parents, leaf = key[len(prefix):].split('/')
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = x
+    return nested, meta
+
+
+def _mesh_target(meta: dict, mesh) -> dict:
+    """Restore target with the shardings the checkpoint's own config gives on `mesh`."""
+    from . import config as config_lib
+    from .sharding import zero_rules
+    from .step import state_shardings
+    from .train import flat
+
+    sections = {**meta['config'], 'mesh': {**meta['config']['mesh'], **dict(mesh.shape)}}
+    cfg = config_lib.override(config_lib.Config(), **sections)
+    rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
+    _, abstract, shardings = state_shardings(cfg, mesh, rules)
+    return flat(abstract_like(abstract, shardings)._asdict())
+
+
+# -------------------------------------------------------------------------------------- command
+def _human(n: float) -> str:
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+        if n < 1024 or unit == 'TiB':
+            return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+        n /= 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m spmd3d.checkpoint info RUN_DIR [--verify]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = [a for a in argv if not a.startswith('--')]
+    flags = set(argv) - set(args)
+    if len(args) != 2 or args[0] != 'info' or not flags <= {'--verify'}:
+        print('usage: python -m spmd3d.checkpoint info RUN_DIR [--verify]', file=sys.stderr)
+        return 2
+    if not Path(args[1]).is_dir():
+        print(f'error: RUN_DIR: {args[1]} is not a directory', file=sys.stderr)
+        return 2
+    rows = info(args[1], verify='--verify' in flags)
+    if not rows:
+        print(f'no checkpoints in {args[1]}')
+        return 0
+    head = f"{'step':>8}  {'status':<10}  {'size':>10}  {'written':<19}  mesh (data,stage,tensor,seq)"
+    print(head + ('  verify' if '--verify' in flags else ''))
+    for r in rows:
+        mesh = r['mesh'] or {}
+        shape = 'x'.join(str(mesh.get(a, '?')) for a in ('data', 'stage', 'tensor', 'seq'))
+        status = 'complete' if r['complete'] else 'incomplete'
+        when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['written']))
+        zero = f", ZeRO-{r['zero']}" if r['zero'] is not None else ''
+        line = f"{r['step']:>8}  {status:<10}  {_human(r['bytes']):>10}  {when}  {shape}{zero}"
+        if r.get('problem'):
+            line += f"  ({r['problem']})"
+        if 'verified' in r:
+            line += f"  {r['verified']}"
+        print(line)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -114,20 +114,61 @@ def unflat(like, flat_dict: dict):
     return jax.tree.unflatten(treedef, list(flat_dict[k] for k in flat(like)))
 
 
-def restore_or_init(job: Job, ckpt):
-    """(state, first step): the newest complete checkpoint if there is one, else a fresh init."""
-    import jax
+def restore_or_init(job: Job, ckpt, log=print):
+    """(state, first step): the newest complete checkpoint if there is one, else a fresh init.
 
+    Raises `CheckpointError` (exit 2) for a checkpoint of another model, or a damaged newest
+    one unless `checkpoint.fallback` allows stepping back past it."""
+    from .checkpoint import abstract_like, restore_newest
     from .step import TrainState, init_state
 
-    step = ckpt.latest_step()
-    if step is None:
+    target = abstract_like(job.abstract, job.shardings)._asdict()
+    found = restore_newest(ckpt, flat(target), config_lib.to_dict(job.cfg)["model"],
+                           fallback=job.cfg.checkpoint.fallback, log=log)
+    if found is None:
         return init_state(job.cfg, job.mesh, job.shardings), 0
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          job.abstract, job.shardings)
-    restored, meta = ckpt.restore(step, flat(target._asdict()))
-    state = TrainState(**unflat(target._asdict(), restored))
+    restored, meta = found
+    state = TrainState(**unflat(target, restored))
     return job.reorder(state, to_canonical=False), int(meta["step"])
+
+
+class Preemption:
+    """SIGTERM (what SLURM and Kubernetes send before a kill) asks the loop to stop after the
+    step in flight, save it and exit 0.
+
+    One process: a signal handler sets a flag. Several: jax's preemption service (started by
+    `jax.distributed`) catches the signal on any process and agrees on one step at which all
+    of them stop, so every process saves the same step."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        import jax
+
+        self.requested = False
+        self._multi = jax.process_count() > 1
+        self._previous = None
+        if not self._multi and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.requested = True
+
+    def stop_at(self, step: int) -> bool:
+        """Whether to stop once `step` is done (call on every process at every step)."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def close(self):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
@@ -135,7 +176,6 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     import jax
 
     from .checkpoint import Checkpointer
-    from .metrics import MetricsLog, format_line, mfu
     from .sharding import describe, format_table, zero_rules
     from .step import schedule_of
 
@@ -157,8 +197,24 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
             print(format_table(describe(job.abstract.params, rules, job.mesh)), flush=True)
 
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every,
-                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_)
-    state, start = restore_or_init(job, ckpt)
+                        keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_,
+                        cleanup_tmp=True)
+    preemption = Preemption()
+    try:
+        return _loop(job, ckpt, preemption, run_dir, lead)
+    finally:
+        preemption.close()
+        ckpt.close()
+
+
+def _loop(job: Job, ckpt, preemption: Preemption, run_dir: Path, lead: bool) -> list[dict]:
+    import jax
+
+    from .metrics import MetricsLog, format_line, mfu
+
+    cfg = job.cfg
+    n_dev = job.mesh.size
+    state, start = restore_or_init(job, ckpt, log=print if lead else (lambda *a: None))
     compiled, compile_s = job.compile()
     if lead:
         print(f"{'resumed at' if start else 'starting at'} step {start}; compiled in {compile_s:.1f} s",
@@ -169,9 +225,14 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     peak = job.topology.peak_flops(cfg.model.dtype, n_dev)
     records, t_last, steps_since = [], time.perf_counter(), 0
 
-    def meta(step):
-        return {"step": step, "data_step": step, "config": config_lib.to_dict(cfg),
-                "mesh": dict(job.mesh.shape)}
+    def meta(step):  # the data position is the step (batches are a function of seed, step);
+        # the run has no other random state
+        return {"step": step, "data_step": step, "seed": cfg.train.seed,
+                "config": config_lib.to_dict(cfg), "mesh": dict(job.mesh.shape),
+                "processes": jax.process_count()}
+
+    def save(step, force=False):
+        return ckpt.save(step, flat(job.reorder(state, True)._asdict()), meta(step), force=force)
 
     for step in range(start, cfg.train.steps):
         state, metrics = compiled(state, job.global_batch(step))
@@ -190,13 +251,18 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
             log.write(rec)
             if lead:
                 print(format_line(rec, cfg.train.steps), flush=True)
+        if done < cfg.train.steps and preemption.stop_at(done):
+            save(done, force=True)
+            ckpt.wait()
+            log.close()
+            if lead:
+                print(f"preempted: saved step {done}; the same command resumes from it", flush=True)
+            return records
         if ckpt.should_save(done) and done < cfg.train.steps:
-            ckpt.save(done, flat(job.reorder(state, True)._asdict()), meta(done))
+            save(done)
     if cfg.train.steps > start or ckpt.latest_step() is None:
-        ckpt.save(cfg.train.steps, flat(job.reorder(state, True)._asdict()), meta(cfg.train.steps),
-                  force=True)
+        save(cfg.train.steps, force=True)
     ckpt.wait()
-    ckpt.close()
     log.close()
     return records
 
