@@ -1,10 +1,13 @@
-"""`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble] [--json]`
+"""`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble]
+[--checkpoint] [--json]`
 
 Throughput, MFU, compile time, per-device memory and the collectives of one compiled train
 step, for a named config and mesh. The timed loop runs the step alone: batches are built on
 device beforehand (host data loading is not what we measure), warmup steps absorb first-call
 costs, and every timed step is blocked on so each time is one whole step. The median is the
 headline number because other work on a shared machine inflates the mean.
+`--checkpoint` also times checkpoint saves (the part that blocks training and the whole write,
+asynchronous and synchronous) and a restore with its fingerprint check.
 `--bubble` (with `mesh.stage > 1`) also compiles the step with its loops unrolled and reports
 the pipeline's per-device FLOPs over the unpipelined step's next to the schedule's theory.
 With `--json` the last stdout line is one JSON object (`run_bench`'s record) for scripts.
@@ -25,7 +28,8 @@ from .config import Config, ConfigError
 from .data import DataError
 from .mesh import simulate_devices
 
-FLAGS = ("--steps", "--warmup", "--json", "--bubble")
+FLAGS = ("--steps", "--warmup", "--json", "--bubble", "--checkpoint")
+SWITCHES = ("--json", "--bubble", "--checkpoint")
 
 
 def measure_bubble(cfg: Config) -> dict:
@@ -56,6 +60,46 @@ def measure_bubble(cfg: Config) -> dict:
     outside = 2 * half - full
     measured = (flops(cfg) - outside) * p / (full - outside)
     return {"p": p, "m": m, "v": v, "measured": measured, "theory": (v * m + p - 1) / (v * m)}
+
+
+def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
+    """Median seconds per checkpoint save -- `blocking_s`, until training may go on (device to
+    host copy, fingerprints), and `total_s`, until committed on disk -- with `checkpoint.async`
+    on and off, plus one restore (read, re-shard onto the mesh, fingerprint check)."""
+    import tempfile
+
+    import jax
+
+    from .checkpoint import Checkpointer, directory_bytes
+    from .step import init_state
+    from .train import flat, restore_or_init, setup
+
+    job = setup(cfg)
+    state = init_state(job.cfg, job.mesh, job.shardings)
+    state, _ = job.step_fn(state, job.global_batch(0))  # Adam moments of zeros would compress
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("async", "sync"):
+            ckpt = Checkpointer(Path(tmp) / mode, every=1, keep=2, async_save=mode == "async")
+            blocking, total = [], []
+            for step in range(saves + 1):  # the first save compiles the fingerprint; not timed
+                start = time.perf_counter()
+                ckpt.save(step, flat(job.reorder(state, True)._asdict()), {"step": step})
+                returned = time.perf_counter()
+                ckpt.wait()
+                if step:
+                    blocking.append(returned - start)
+                    total.append(time.perf_counter() - start)
+            out[mode] = {"blocking_s": statistics.median(blocking),
+                         "total_s": statistics.median(total)}
+            if mode == "sync":
+                out["bytes"] = directory_bytes(Path(tmp) / mode / str(saves))
+                start = time.perf_counter()
+                restored, _ = restore_or_init(job, ckpt, log=lambda *a: None)
+                jax.block_until_ready(restored)
+                out["restore_s"] = time.perf_counter() - start
+            ckpt.close()
+    return out
 
 
 def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "default") -> dict:
@@ -137,6 +181,11 @@ def format_report(r: dict) -> str:
     if r["peak_bytes"] is not None:
         lines.append(f"  peak in use {_gib(r['peak_bytes'])} (device 0)")
     lines.append(f"  collectives {colls}")
+    if "checkpoint" in r:
+        c = r["checkpoint"]
+        lines.append(f"  checkpoint  {c['bytes'] / 2**20:.1f} MiB: async save blocks "
+                     f"{c['async']['blocking_s']:.3f} s (written in {c['async']['total_s']:.3f} s), "
+                     f"sync save {c['sync']['total_s']:.3f} s, restore {c['restore_s']:.3f} s")
     if "bubble" in r:
         b = r["bubble"]
         lines.append(f"  pipeline    p={b['p']} m={b['m']} v={b['v']}: FLOPs x{b['measured']:.4f} "
@@ -157,16 +206,18 @@ def _int_flag(flag: str, minimum: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    steps, warmup, as_json, bubble = 10, 2, False, False
+    steps, warmup, as_json, bubble, checkpoint = 10, 2, False, False, False
     try:
         path, overrides, flags = config_lib.parse_args(argv)
         for f in flags:
             name = f.partition("=")[0]
-            if name not in FLAGS or (name in ("--json", "--bubble")) != (f in ("--json", "--bubble")):
+            if name not in FLAGS or (name in SWITCHES) != (f in SWITCHES):
                 raise ConfigError("argv", f"unknown flag {f} "
-                                  "(known: --steps=N, --warmup=N, --bubble, --json)")
+                                  "(known: --steps=N, --warmup=N, --bubble, --checkpoint, --json)")
             if f == "--bubble":
                 bubble = True
+            elif f == "--checkpoint":
+                checkpoint = True
             elif name == "--steps":
                 steps = _int_flag(f, 1)
             elif name == "--warmup":
@@ -181,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.mesh.stage == 1:
                 raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
             record["bubble"] = measure_bubble(cfg)
+        if checkpoint:
+            record["checkpoint"] = measure_checkpoint(cfg)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

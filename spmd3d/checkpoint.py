@@ -351,7 +351,7 @@ def restore_newest(ckpt: Checkpointer, target: dict, model: dict, *, fallback: b
 
 
 # ------------------------------------------------------------------------- inspection / loading
-def _tree_size(path: Path) -> int:
+def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
 
 
@@ -369,7 +369,7 @@ def info(run_dir: str | os.PathLike, verify: bool = False) -> list[dict]:
         if not (d.is_dir() and base.isdigit()):
             continue
         row = {'step': int(base), 'complete': TMP_MARK not in d.name, 'path': str(d),
-               'bytes': _tree_size(d), 'written': d.stat().st_mtime, 'mesh': None, 'zero': None}
+               'bytes': directory_bytes(d), 'written': d.stat().st_mtime, 'mesh': None, 'zero': None}
         try:
             meta = json.loads((d / META_ITEM / 'metadata').read_text())
             row['mesh'] = meta.get('mesh')

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from spmd3d import config as config_lib
-from spmd3d.bench import main, run_bench
+from spmd3d.bench import main, measure_checkpoint, run_bench
 
 TINY = ["model.num_layers=1", "model.d_model=64", "model.num_kv_heads=4", "model.d_ff=128",
         "train.seq_len=32", "train.global_batch=8", "mesh.simulated_devices=0", "mesh.tensor=2"]
@@ -52,6 +52,17 @@ def test_main_json_last_line(capsys):
         assert key in r
     assert r["config"] == "default" and r["tokens_per_s"] > 0
     assert any(line.startswith("bench default") for line in out[:-1])  # the human report
+
+
+def test_checkpoint_timings():
+    """Each timing is positive, an async save blocks for a part of its write at most, and the
+    size is that of the parameters and both Adam moments (fp32, barely compressible)."""
+    cfg = config_lib.load(None, TINY)
+    c = measure_checkpoint(cfg, saves=1)
+    for mode in ("async", "sync"):
+        assert 0 < c[mode]["blocking_s"] <= c[mode]["total_s"]
+    assert c["restore_s"] > 0
+    assert 0.8 < c["bytes"] / (3 * 4 * expected_params(cfg.model)) < 1.5
 
 
 @pytest.mark.parametrize("args, field", [
