@@ -375,8 +375,8 @@ def info(run_dir: str | os.PathLike, verify: bool = False) -> list[dict]:
             row['mesh'] = meta.get('mesh')
             row['zero'] = meta.get('config', {}).get('parallel', {}).get('zero_stage')
         except (OSError, ValueError):
-            row['complete'] = False if not row['complete'] else row['complete']
-            row['problem'] = 'metadata unreadable'
+            if row['complete']:  # committed, yet its metadata cannot be read
+                row['problem'] = 'metadata unreadable'
         rows.append(row)
     if verify:
         with Checkpointer(root, every=0, keep=1 << 30, async_save=False) as ckpt:
@@ -480,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'step':>8}  {'status':<10}  {'size':>10}  {'written':<19}  mesh (data,stage,tensor,seq)"
     print(head + ('  verify' if '--verify' in flags else ''))
     for r in rows:
-        mesh = r['mesh'] or {}
-        shape = 'x'.join(str(mesh.get(a, '?')) for a in ('data', 'stage', 'tensor', 'seq'))
+        mesh = r['mesh']
+        shape = 'x'.join(str(mesh.get(a, '?')) for a in ('data', 'stage', 'tensor', 'seq')) \
+            if mesh else '-'
+
         status = 'complete' if r['complete'] else 'incomplete'
         when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['written']))
         zero = f", ZeRO-{r['zero']}" if r['zero'] is not None else ''
