@@ -1,11 +1,12 @@
 # make train: trains the demo model (simulated CPU devices when there is no GPU)
 # make test:  the test suite on 8 simulated CPU devices
 # make bench: throughput / compile time / memory of a named config and mesh (BENCH_ARGS=...)
+# make notebook: opens notebooks/small_meshes.ipynb in JupyterLab (installed into .venv on first use)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: train test bench clean
+.PHONY: train test bench notebook clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,10 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m spmd3d.bench $(BENCH_ARGS)
+
+notebook: $(VENV)/.installed
+	$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install --quiet jupyterlab
+	$(VENV)/bin/jupyter lab notebooks/small_meshes.ipynb
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

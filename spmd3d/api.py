@@ -1,0 +1,323 @@
+"""The library as a Python API, for notebooks and scripts: the pieces `python -m spmd3d.train`
+wires together, one call each, with no command line and no global state but the devices.
+
+    import spmd3d
+    spmd3d.simulate(8)                       # before anything imports jax
+    cfg = spmd3d.configure("demo", ["train.steps=5"], mesh=dict(data=2, tensor=4))
+    exp = spmd3d.Experiment(cfg)             # mesh, shardings, data: `train.setup`
+    records = exp.run(5)                     # [{'step': 1, 'loss': ...}, ...]
+    exp.params_table(); exp.memory(); exp.collectives()
+    exp.save("runs/nb")                      # an Orbax checkpoint, canonical layer order
+    other = spmd3d.restore(cfg_on_another_mesh, "runs/nb")
+
+Nothing here imports jax at import time: `simulate` must be able to run first. Everything is
+built from `train.setup` / `train.restore_or_init` / `step.init_state`, so an experiment is
+the same computation as the command line's run of the same config.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from . import config as config_lib
+from .config import Config
+from .mesh import AXES, simulate_devices
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_KIND_ABBREV = {"all-reduce": "ar", "all-gather": "ag", "reduce-scatter": "rs",
+                "all-to-all": "a2a", "collective-permute": "cp"}
+
+
+def simulate(n: int = 8) -> int:
+    """Run on `n` simulated CPU devices (XLA host devices). Call it before jax starts its
+    backends (in a notebook: the first cell); calling it again with the same `n` is harmless.
+    Returns `n`."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            from jax._src.xla_bridge import backends_are_initialized
+        except ImportError:  # cannot tell: assume started, and check the devices it has
+            backends_are_initialized = lambda: True  # noqa: E731
+        if backends_are_initialized():
+            have = jax.devices()
+            if len(have) == n and have[0].platform == "cpu":
+                return n
+            raise RuntimeError(
+                f"jax already runs on {len(have)} {have[0].platform} device(s); simulate({n}) "
+                "must come before the first use of jax (restart the kernel and call it first)")
+    simulate_devices(n)
+    if jax is not None:  # imported but not started: its platform choice was read at import
+        jax.config.update("jax_platforms", "cpu")
+    return n
+
+
+def configure(preset: str | None = None, overrides: list[str] | tuple = (), **kw) -> Config:
+    """A validated Config: defaults <- preset <- `key=value` strings <- keyword overrides.
+
+    `preset` is a name in configs/ (`"demo"`, `"bench_small"`) or a YAML path; None is the
+    built-in demo. Keywords are sections (`mesh=dict(tensor=4)`) or dotted names
+    (`**{"mesh.tensor": 4}`). `mesh.simulated_devices` is ignored here: call `simulate`.
+    """
+    path = preset
+    if preset is not None and not Path(preset).is_file():
+        path = str(CONFIG_DIR / f"{preset}.yaml")
+        if not Path(path).is_file():
+            known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+            raise config_lib.ConfigError("config", f"no preset or file {preset!r} (presets: {known})")
+    cfg = config_lib.load(path, list(overrides))
+    sections: dict = {}
+    for key, value in kw.items():
+        if "." not in key and isinstance(value, dict):
+            sections.setdefault(key, {}).update(value)
+        else:
+            sec, _, rest = key.partition(".")
+            if not rest:
+                raise config_lib.ConfigError(key, "expected a section dict or a dotted name")
+            sections.setdefault(sec, {})[rest] = value
+    return config_lib.override(cfg, **sections) if sections else cfg
+
+
+class Table(list):
+    """Rows (dicts) that print as an aligned text table, in a terminal and in a notebook;
+    `fmt(rows) -> str` replaces the generic layout (the parameter table uses `--explain`'s)."""
+
+    def __init__(self, rows, columns=None, fmt=None):
+        super().__init__(rows)
+        self.columns = list(columns or (rows[0].keys() if rows else []))
+        self.fmt = fmt
+
+    def __repr__(self) -> str:
+        if self.fmt is not None:
+            return self.fmt(list(self))
+        cells = [[_cell(r.get(c, "")) for c in self.columns] for r in self]
+        widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(self.columns)]
+        line = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths)).rstrip()  # noqa: E731
+        return "\n".join([line(self.columns), line(["-" * w for w in widths])]
+                         + [line(x) for x in cells])
+
+    __str__ = __repr__
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython's display hook
+        p.text(repr(self))
+
+
+def _by_path(params) -> dict:
+    """{'blocks/mlp/w_down': array, ...}: parameters named as in `sharding.describe`."""
+    import jax
+    from flax import nnx
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): v.get_value() if is_var(v) else v
+            for p, v in leaves}
+
+
+def _cell(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+class Experiment:
+    """One config on one mesh: the sharded state, the compiled step, and readouts of both.
+
+    Built by `train.setup` (mesh, shardings, jitted step, data), so it is exactly the run
+    `python -m spmd3d.train` would do. The state is created on first use (`init_state`) or
+    restored by `restore`; `run` continues from the current step, so the data order and the
+    learning-rate schedule follow the global step as in a resumed command-line run.
+    """
+
+    def __init__(self, cfg: Config, devices=None):
+        import jax
+
+        from .train import setup
+
+        if devices is None:  # a fixed mesh smaller than the machine takes its first devices
+            sizes = cfg.mesh.sizes()
+            n = sizes["stage"] * sizes["tensor"] * sizes["seq"] * max(sizes["data"], 0)
+            devices = jax.devices()[:n] if n else jax.devices()
+        self.job = setup(cfg, devices)
+        self.cfg = self.job.cfg  # mesh.data resolved
+        self.mesh = self.job.mesh
+        self.step = 0  # optimizer steps taken
+        self.history: list[dict] = []  # every record `run` returned
+        self.compile_seconds: float | None = None
+        self._state = None
+        self._compiled = None
+
+    def __repr__(self) -> str:
+        p = self.cfg.parallel
+        return (f"Experiment(mesh={dict(self.mesh.shape)}, zero={p.zero_stage}, "
+                f"sp={p.sequence_parallel}, repeats={p.pipeline_repeats}, "
+                f"microbatches={self.cfg.train.microbatches}, step={self.step})")
+
+    @property
+    def rules(self):
+        from .sharding import zero_rules
+
+        return zero_rules(self.cfg.parallel.zero_stage, self.cfg.parallel.sequence_parallel)
+
+    @property
+    def state(self):
+        """The TrainState, created in its shardings on first use (seeded by `train.seed`)."""
+        if self._state is None:
+            from .step import init_state
+
+            self._state = init_state(self.cfg, self.mesh, self.job.shardings)
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+
+    def compile(self):
+        """The step, compiled ahead of time once for this mesh (later calls reuse it)."""
+        if self._compiled is None:
+            self._compiled, self.compile_seconds = self.job.compile()
+        return self._compiled
+
+    def run(self, steps: int) -> list[dict]:
+        """Run `steps` train steps from the current one; one record per step with the keys of
+        `metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu)."""
+        import jax
+
+        from .metrics import mfu
+
+        compiled, cfg = self.compile(), self.cfg
+        state = self.state
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        peak = self.job.topology.peak_flops(cfg.model.dtype, self.mesh.size)
+        records = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            state, metrics = compiled(state, self.job.global_batch(self.step))
+            self._state = state  # the old state was donated
+            m = jax.device_get(metrics)
+            dt = time.perf_counter() - start
+            self.step += 1
+            records.append({"step": self.step, "loss": float(m["loss"]),
+                            "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+                            "tokens_per_s": tokens / dt, "step_time_s": dt,
+                            "mfu": mfu(tokens / dt, cfg.model, cfg.train.seq_len, peak)})
+        self.history += records
+        return records
+
+    # -- where things live ----------------------------------------------------------------
+
+    def params_table(self) -> Table:
+        """Every parameter: global shape, logical names, mesh axes it is stored on (and its
+        optimizer state), per-device shape (`sharding.describe`, as `--explain` prints)."""
+        from .sharding import describe, format_table
+
+        rows = describe(self.job.abstract.params, self.rules, self.mesh)
+        return Table(rows, ["param", "shape", "logical", "stored", "opt_state", "local_shape"],
+                     fmt=format_table)
+
+    def param(self, path: str):
+        """The live (sharded) array of one parameter by its `params_table` name, e.g.
+        `exp.param("embed")`; stacked block weights are in storage order (a circular pipeline
+        keeps each stage's layers together)."""
+        params = _by_path(self.state.params)
+        if path not in params:
+            raise KeyError(f"{path!r}; parameters: {', '.join(params)}")
+        return params[path]
+
+    def canonical_params(self) -> dict:
+        """{name: numpy array} of the parameters in the canonical [L, ...] layer order: what a
+        checkpoint holds, equal across meshes for the same training."""
+        import numpy as np
+
+        state = self.job.reorder(self.state, to_canonical=True)
+        return {k: np.asarray(v) for k, v in _by_path(state.params).items()}
+
+    # -- the compiled step ----------------------------------------------------------------
+
+    def memory(self) -> dict:
+        """Per-device bytes of the compiled step: arguments, outputs, temporaries, total."""
+        from .hlo import memory
+
+        return memory(self.compile())
+
+    def collectives(self) -> Table:
+        """The compiled step's collectives per (kind, mesh axes): ops per step (loop bodies
+        weighted by their trip counts) and result bytes per device per step. Axes `?`: device
+        groups that `hlo.collectives` could not name."""
+        from . import hlo
+
+        colls = hlo.collectives(self.compile().as_text(), self.mesh.shape)
+        counts, nbytes = hlo.summary(colls), hlo.bytes_by_axes(colls)
+        rows = [{"kind": k, "axes": ",".join(a) or "?", "count": n, "bytes": nbytes[(k, a)]}
+                for (k, a), n in sorted(counts.items())]
+        return Table(rows, ["kind", "axes", "count", "bytes"])
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save(self, run_dir: str | Path | None = None) -> Path:
+        """Write `config.yaml` and an Orbax checkpoint of the current step (canonical layer
+        order, as `train` writes it) under `run_dir` (default `run.dir`); returns the dir."""
+        import jax
+        import yaml
+
+        from .checkpoint import Checkpointer
+        from .train import flat
+
+        run_dir = Path(run_dir or self.cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(
+            yaml.safe_dump(config_lib.to_dict(self.cfg), sort_keys=False))
+        # the fields `train` writes: batches are a function of (seed, step), nothing else
+        meta = {"step": self.step, "data_step": self.step, "seed": self.cfg.train.seed,
+                "config": config_lib.to_dict(self.cfg), "mesh": dict(self.mesh.shape),
+                "processes": jax.process_count()}
+        ckpt = Checkpointer(run_dir / "checkpoints", every=0, keep=self.cfg.checkpoint.keep,
+                            async_save=False)
+        try:
+            ckpt.save(self.step, flat(self.job.reorder(self.state, True)._asdict()), meta,
+                      force=True)
+            ckpt.wait()
+        finally:
+            ckpt.close()
+        return run_dir
+
+
+def restore(target: Config | Experiment, run_dir: str | Path) -> Experiment:
+    """The newest checkpoint under `run_dir` onto the mesh of `target` (a config, or an
+    experiment whose compiled step is reused). Any mesh works: checkpoints hold the canonical
+    layout and `train.restore_or_init` restores it straight into the target shardings."""
+    from .checkpoint import Checkpointer
+    from .train import restore_or_init
+
+    exp = target if isinstance(target, Experiment) else Experiment(target)
+    directory = Path(run_dir) / "checkpoints"
+    ckpt = Checkpointer(directory, every=0, keep=exp.cfg.checkpoint.keep, async_save=False)
+    try:
+        if ckpt.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        exp.state, exp.step = restore_or_init(exp.job, ckpt)
+    finally:
+        ckpt.close()
+    return exp
+
+
+def compare(experiments: dict) -> Table:
+    """Layouts side by side: per-device memory of the compiled step (MiB) and, per mesh axis,
+    its collectives per step (ar all-reduce, ag all-gather, rs reduce-scatter, a2a all-to-all,
+    cp collective-permute; loop bodies counted once per trip). Experiments compile on first use."""
+    rows, groups = [], []
+    for name, exp in experiments.items():
+        mem = exp.memory()
+        row = {"layout": name,
+               "mesh": "×".join(f"{a}{n}" for a, n in exp.mesh.shape.items() if n > 1) or "1",
+               "args MiB": mem["argument_bytes"] / 2**20, "temp MiB": mem["temp_bytes"] / 2**20,
+               "total MiB": mem["total_bytes"] / 2**20}
+        per: dict = {}
+        for c in exp.collectives():
+            key = c["axes"].replace(",", "+")
+            per.setdefault(key, []).append(f"{_KIND_ABBREV.get(c['kind'], c['kind'])} {c['count']}")
+            if key not in groups:
+                groups.append(key)
+        row.update({k: " ".join(v) for k, v in per.items()})
+        rows.append(row)
+    order = {a: i for i, a in enumerate(AXES)}
+    groups.sort(key=lambda g: (g.count("+"), [order.get(a, 9) for a in g.split("+")]))
+    return Table(rows, ["layout", "mesh", "args MiB", "temp MiB", "total MiB"] + groups)
