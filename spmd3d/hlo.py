@@ -42,16 +42,24 @@ def _shape_bytes(shape: str) -> int:
 
 def _groups(rest: str):
     # Shardy's form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: device ids laid out
-    # as iota over those sizes; a group is the devices that differ along the braced axes.
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?\s*\{([^}]*)\}", rest)
+    # as iota over those sizes (or as `device_ids=([dims]T(perm))`, an iota of `dims` transposed,
+    # when the mesh is not in device order); a group is the devices that differ along the braced
+    # axes.
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?"
+                  r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", rest)
     if m:
         dims = re.findall(r"'([^']+)'=(\d+)", m.group(1))
         names, sizes = [d[0] for d in dims], [int(d[1]) for d in dims]
-        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        ids = np.arange(int(np.prod(sizes)))
+        if m.group(3):
+            ids = ids.reshape([int(x) for x in m.group(3).split(",")])
+            if m.group(4):
+                ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        ids = ids.reshape(sizes)
         if m.group(2):
             perm = [int(x) for x in m.group(2).split(",")]
             ids, names = ids.transpose(perm), [names[p] for p in perm]
-        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(5))]
         rest_axes = [i for i in range(len(names)) if i not in chosen]
         ids = ids.transpose(rest_axes + chosen)
         size = int(np.prod([ids.shape[len(rest_axes) + k] for k in range(len(chosen))]))

@@ -61,3 +61,14 @@ def test_pure_data_parallel_has_no_tensor_collectives():
     # one gradient reduction per layer, in the backward loop, over data
     grads = [c for c in colls if c.kind == "all-reduce" and c.trips == cfg.model.num_layers]
     assert len(grads) == 1 and grads[0].axes == ("data",)
+
+
+def test_shardy_replica_groups_with_device_ids():
+    """Shardy prints a mesh that is not in device order with `device_ids=([dims]T(perm))`."""
+    from spmd3d.hlo import _groups
+
+    plain = "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, to_apply=%add"
+    assert _groups(plain) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    permuted = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    assert _groups(permuted) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert _groups(permuted.replace("{'axis_0'}", "{'axis_1'}")) == [(0, 4), (1, 5), (2, 6), (3, 7)]
