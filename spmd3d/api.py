@@ -181,24 +181,17 @@ class Experiment:
         `metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu)."""
         import jax
 
-        from .metrics import mfu
+        from .train import step_record
 
-        compiled, cfg = self.compile(), self.cfg
-        state = self.state
-        tokens = cfg.train.global_batch * cfg.train.seq_len
-        peak = self.job.topology.peak_flops(cfg.model.dtype, self.mesh.size)
+        compiled, state = self.compile(), self.state
         records = []
         for _ in range(steps):
             start = time.perf_counter()
             state, metrics = compiled(state, self.job.global_batch(self.step))
             self._state = state  # the old state was donated
             m = jax.device_get(metrics)
-            dt = time.perf_counter() - start
             self.step += 1
-            records.append({"step": self.step, "loss": float(m["loss"]),
-                            "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                            "tokens_per_s": tokens / dt, "step_time_s": dt,
-                            "mfu": mfu(tokens / dt, cfg.model, cfg.train.seq_len, peak)})
+            records.append(step_record(self.job, self.step, m, time.perf_counter() - start))
         self.history += records
         return records
 
@@ -255,20 +248,16 @@ class Experiment:
     def save(self, run_dir: str | Path | None = None) -> Path:
         """Write `config.yaml` and an Orbax checkpoint of the current step (canonical layer
         order, as `train` writes it) under `run_dir` (default `run.dir`); returns the dir."""
-        import jax
         import yaml
 
         from .checkpoint import Checkpointer
-        from .train import flat
+        from .train import checkpoint_meta, flat
 
         run_dir = Path(run_dir or self.cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(
             yaml.safe_dump(config_lib.to_dict(self.cfg), sort_keys=False))
-        # the fields `train` writes: batches are a function of (seed, step), nothing else
-        meta = {"step": self.step, "data_step": self.step, "seed": self.cfg.train.seed,
-                "config": config_lib.to_dict(self.cfg), "mesh": dict(self.mesh.shape),
-                "processes": jax.process_count()}
+        meta = checkpoint_meta(self.job, self.step)
         ckpt = Checkpointer(run_dir / "checkpoints", every=0, keep=self.cfg.checkpoint.keep,
                             async_save=False)
         try:

@@ -332,7 +332,7 @@ def restore_newest(ckpt: Checkpointer, target: dict, model: dict, *, fallback: b
     the step before it; with ``fallback`` the damaged step is moved aside (kept, not deleted)
     and the previous one is tried. A checkpoint of another model is always an error.
     """
-    steps = ckpt.all_steps()
+    steps = _same_on_all_processes(ckpt.all_steps())
     while steps:
         step = steps.pop()
         try:
@@ -348,6 +348,18 @@ def restore_newest(ckpt: Checkpointer, target: dict, model: dict, *, fallback: b
             moved = ckpt.quarantine(step)
             log(f'warning: checkpoint {e}; moved to {moved}, trying the step before it')
     return None
+
+
+def _same_on_all_processes(steps: list[int]) -> list[int]:
+    """Process 0's list of steps on every process: a caching shared filesystem (NFS) may show
+    processes different newest steps, and all must restore the same one."""
+    if jax.process_count() == 1:
+        return steps
+    from jax.experimental import multihost_utils
+
+    padded = np.full(256, -1, np.int64)
+    padded[:len(steps[-256:])] = steps[-256:]
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded) if s >= 0]
 
 
 # ------------------------------------------------------------------------- inspection / loading

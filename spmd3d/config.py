@@ -57,6 +57,9 @@ class MeshConfig:
     # present; 0: whatever devices JAX finds.
     simulated_devices: int = -1
     topology: str = "auto"  # a file in meshes/ (without .yaml); auto: by platform
+    # With several hosts, tensor and seq must fit inside one host (their collectives run every
+    # layer); true lets a layout put them across hosts anyway (slow, but it runs).
+    allow_cross_host: bool = False
 
     def sizes(self) -> dict[str, int]:
         return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
@@ -115,9 +118,15 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class DistConfig:
-    coordinator: str = ""
+    """One training job over several processes (hosts); see `dist.py`. Left at these defaults,
+    the values come from the environment (SLURM, Kubernetes, JAX_*), or it is one process."""
+
+    coordinator: str = ""  # HOST:PORT where process 0 serves the coordination service
     num_processes: int = 1
     process_id: int = 0
+    # A process silent this long is declared lost and every other process stops (exit 1).
+    heartbeat_timeout_s: int = 20
+    init_timeout_s: int = 300  # how long the processes wait for each other at start-up
 
 
 @dataclass(frozen=True)
@@ -339,6 +348,12 @@ def validate(cfg: Config) -> None:
     _need(cfg.dist.num_processes > 0, "dist.num_processes", "must be positive")
     _need(0 <= cfg.dist.process_id < cfg.dist.num_processes, "dist.process_id",
           "must be in [0, dist.num_processes)")
+    if cfg.dist.coordinator:
+        host, _, port = cfg.dist.coordinator.rpartition(":")
+        _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, "dist.coordinator",
+              f"{cfg.dist.coordinator!r} is not HOST:PORT")
+    _need(cfg.dist.heartbeat_timeout_s >= 2, "dist.heartbeat_timeout_s", "must be >= 2")
+    _need(cfg.dist.init_timeout_s > 0, "dist.init_timeout_s", "must be positive")
 
 
 def resolve_mesh(cfg: Config, num_devices: int) -> Config:

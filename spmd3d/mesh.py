@@ -73,21 +73,46 @@ def simulate_devices(n: int) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def _split_over_nodes(sizes: dict, per_node: int) -> tuple[list[int], list[int]]:
-    """Split axis sizes into (inside a node, across nodes), filling a node fastest-axis first."""
-    inner = {a: 1 for a in AXES}
-    room = per_node
+def split_over_hosts(sizes: dict, per_host: int, hosts: int,
+                     allow_cross_host: bool = False) -> tuple[list[int], list[int]]:
+    """(sizes inside a host, sizes across hosts), both in AXES order, for `hosts` hosts of
+    `per_host` devices each.
+
+    A host is filled fastest-axis first (seq, tensor, stage, data), so `tensor` and `seq`,
+    which communicate twice per layer, stay on the fast intra-host links and `stage`/`data`
+    take whatever must cross hosts. A layout that still puts `tensor` or `seq` across hosts
+    raises ConfigError unless `allow_cross_host`: it runs, but every layer would wait on the
+    slow inter-host network.
+    """
+    from .config import ConfigError
+
+    total = int(np.prod([sizes[a] for a in AXES]))
+    if total != per_host * hosts:
+        raise ConfigError("mesh", f"data*stage*tensor*seq = {total} but there are {hosts} "
+                                  f"hosts of {per_host} devices")
+    inner, room = {}, per_host
     for a in reversed(AXES):  # seq, tensor, stage, data
-        k = int(np.gcd(sizes[a], room))
-        inner[a], room = k, room // k
-    return [inner[a] for a in AXES], [sizes[a] // inner[a] for a in AXES]
+        inner[a] = int(np.gcd(sizes[a], room))
+        room //= inner[a]
+    # room always ends at 1 (each gcd takes every factor the axis can give, and the product
+    # holds all of per_host's): each host gets one whole block of the mesh
+    outer = {a: sizes[a] // inner[a] for a in AXES}
+    for a in (TENSOR, SEQ):
+        if outer[a] > 1 and not allow_cross_host:
+            inside = " x ".join(f"{b} {inner[b]}" for b in AXES if inner[b] > 1) or "nothing"
+            raise ConfigError(f"mesh.{a}", (
+                f"{a} = {sizes[a]} would span {outer[a]} hosts (a host has {per_host} devices, "
+                f"holding {inside}); {a} talks every layer and needs the fast links inside a "
+                f"host: lower mesh.{a}, or set mesh.allow_cross_host=true to run it anyway"))
+    return [inner[a] for a in AXES], [outer[a] for a in AXES]
 
 
-def make_mesh(sizes: dict, devices=None):
+def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
     """A `jax.sharding.Mesh` over AXES with Auto axis types (GSPMD/Shardy propagation).
 
     With several processes (hosts) the device order is hybrid: each host's devices fill
-    `seq`, `tensor`, then `stage`/`data` first, so the fast axes never cross a host.
+    `seq`, `tensor`, then `stage`/`data` first, so the fast axes never cross a host
+    (`split_over_hosts`; ConfigError if they would, unless `allow_cross_host`).
     """
     import jax
     from jax.experimental import mesh_utils
@@ -97,8 +122,9 @@ def make_mesh(sizes: dict, devices=None):
     shape = [sizes[a] for a in AXES]
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh {sizes} needs {int(np.prod(shape))} devices, got {len(devices)}")
-    if jax.process_count() > 1:
-        inner, outer = _split_over_nodes(sizes, jax.local_device_count())
+    hosts = len({d.process_index for d in devices})
+    if hosts > 1:
+        inner, outer = split_over_hosts(sizes, len(devices) // hosts, hosts, allow_cross_host)
         grid = mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
     else:
         grid = np.asarray(devices).reshape(shape)

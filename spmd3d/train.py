@@ -39,11 +39,8 @@ class Job:
 
     def global_batch(self, step: int):
         """This process's rows of step `step`, assembled into the global [B, T+1] array."""
-        import jax
-
-        local = self.batches.batch(step, self.cfg.train.global_batch, jax.process_index(),
-                                   jax.process_count())
-        return jax.make_array_from_process_local_data(self.batch_sharding, local)
+        return dist.make_global_batch(self.batches, step, self.batch_sharding,
+                                      self.cfg.train.global_batch)
 
     def reorder(self, state, to_canonical: bool):
         """Between the stored layer order (a circular pipeline keeps each stage's chunks
@@ -64,9 +61,10 @@ class Job:
         """AOT-compile the step for this job's shapes and shardings; returns (compiled, seconds)."""
         import jax
 
+        from .checkpoint import abstract_like
+
         t = self.cfg.train
-        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             self.abstract, self.shardings)
+        state = abstract_like(self.abstract, self.shardings)
         batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
                                      sharding=self.batch_sharding)
         start = time.perf_counter()
@@ -87,7 +85,7 @@ def setup(cfg: Config, devices=None) -> Job:
     devices = jax.devices() if devices is None else devices
     cfg = config_lib.resolve_mesh(cfg, len(devices))
     topology = load_topology(cfg.mesh.topology, devices[0].platform)
-    mesh = make_mesh(cfg.mesh.sizes(), devices)
+    mesh = make_mesh(cfg.mesh.sizes(), devices, cfg.mesh.allow_cross_host)
     rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
     graphdef, abstract, shardings = state_shardings(cfg, mesh, rules)
     step_fn = make_train_step(cfg, mesh, graphdef, shardings, rules)
@@ -95,7 +93,7 @@ def setup(cfg: Config, devices=None) -> Job:
     batches = TokenBatches(load_tokens(cfg.data.path, cfg.data.tokenizer), cfg.train.seq_len,
                            cfg.train.seed, cfg.model.vocab_size)
     # read one batch now: bad token ids fail in milliseconds, not after compilation
-    batches.batch(0, cfg.train.global_batch, jax.process_index(), jax.process_count())
+    batches.batch(0, cfg.train.global_batch)
     return Job(cfg, mesh, topology, graphdef, abstract, shardings, batch_sharding, step_fn, batches)
 
 
@@ -112,6 +110,28 @@ def unflat(like, flat_dict: dict):
 
     treedef = jax.tree.structure(like)
     return jax.tree.unflatten(treedef, list(flat_dict[k] for k in flat(like)))
+
+
+def checkpoint_meta(job: Job, step: int) -> dict:
+    """What a checkpoint stores beside the arrays. The data position is the step (batches are a
+    function of seed and step) and a run has no other random state."""
+    import jax
+
+    return {"step": step, "data_step": step, "seed": job.cfg.train.seed,
+            "config": config_lib.to_dict(job.cfg), "mesh": dict(job.mesh.shape),
+            "processes": jax.process_count()}
+
+
+def step_record(job: Job, step: int, metrics: dict, seconds: float) -> dict:
+    """One `metrics.jsonl` record from a step's (host) metrics and its wall time."""
+    from .metrics import mfu
+
+    cfg = job.cfg
+    tps = cfg.train.global_batch * cfg.train.seq_len / seconds
+    peak = job.topology.peak_flops(cfg.model.dtype, job.mesh.size)
+    return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "lr": float(metrics["lr"]), "tokens_per_s": tps, "step_time_s": seconds,
+            "mfu": mfu(tps, cfg.model, cfg.train.seq_len, peak)}
 
 
 def restore_or_init(job: Job, ckpt, log=print):
@@ -210,10 +230,9 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
 def _loop(job: Job, ckpt, preemption: Preemption, run_dir: Path, lead: bool) -> list[dict]:
     import jax
 
-    from .metrics import MetricsLog, format_line, mfu
+    from .metrics import MetricsLog, format_line
 
     cfg = job.cfg
-    n_dev = job.mesh.size
     state, start = restore_or_init(job, ckpt, log=print if lead else (lambda *a: None))
     compiled, compile_s = job.compile()
     if lead:
@@ -221,18 +240,11 @@ def _loop(job: Job, ckpt, preemption: Preemption, run_dir: Path, lead: bool) -> 
               flush=True)
 
     log = MetricsLog(run_dir / "metrics.jsonl" if lead else None)
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    peak = job.topology.peak_flops(cfg.model.dtype, n_dev)
     records, t_last, steps_since = [], time.perf_counter(), 0
 
-    def meta(step):  # the data position is the step (batches are a function of seed, step);
-        # the run has no other random state
-        return {"step": step, "data_step": step, "seed": cfg.train.seed,
-                "config": config_lib.to_dict(cfg), "mesh": dict(job.mesh.shape),
-                "processes": jax.process_count()}
-
     def save(step, force=False):
-        return ckpt.save(step, flat(job.reorder(state, True)._asdict()), meta(step), force=force)
+        return ckpt.save(step, flat(job.reorder(state, True)._asdict()), checkpoint_meta(job, step),
+                         force=force)
 
     for step in range(start, cfg.train.steps):
         state, metrics = compiled(state, job.global_batch(step))
@@ -241,12 +253,8 @@ def _loop(job: Job, ckpt, preemption: Preemption, run_dir: Path, lead: bool) -> 
         if done % cfg.run.log_every == 0 or done == cfg.train.steps:
             m = jax.device_get(metrics)  # blocks until this step has finished
             now = time.perf_counter()
-            dt = (now - t_last) / steps_since
+            rec = step_record(job, done, m, (now - t_last) / steps_since)
             t_last, steps_since = now, 0
-            tps = tokens_per_step / dt
-            rec = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                   "lr": float(m["lr"]), "tokens_per_s": tps, "step_time_s": dt,
-                   "mfu": mfu(tps, cfg.model, cfg.train.seq_len, peak)}
             records.append(rec)
             log.write(rec)
             if lead:

@@ -12,15 +12,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import devices_for, small_config
 from spmd3d import hlo, train
+from spmd3d.checkpoint import abstract_like
 from spmd3d.sharding import zero_rules
 from spmd3d.step import init_state, make_grad_fn, shardings_for
 
 DATA = 8
 
 
-def abstract(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        tree, shardings)
+abstract = abstract_like  # ShapeDtypeStructs with the given shardings
 
 
 def local_bytes(tree, shardings):

@@ -1,0 +1,155 @@
+"""Multi-host for real: several OS processes on localhost, one jax.distributed job (gloo).
+
+* 2 processes x 4 devices and 4 processes x 2 devices give the 1-device losses;
+* a checkpoint written by 2 processes resumes in 1 process and in 4;
+* only process 0 writes metrics and prints steps;
+* kill -9 one process: every other one exits non-zero within 60 s, naming it, and so does
+  the launcher.
+
+Each job is started by `launch/local.sh` in a session of its own, under a deadline after which
+the whole session is killed: nothing can hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import SMALL, max_rel_diff, train_losses
+from spmd3d import config
+from spmd3d.train import train
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL = REPO / "launch" / "local.sh"
+# a decay horizon apart from train.steps, so a 6-step run and an 8-step run share the schedule;
+# checkpoints only at the end; a lost process is noticed after 10 s
+COMMON = ["optim.decay_steps=50", "checkpoint.every=0", "dist.heartbeat_timeout_s=10"]
+TWO_BY_FOUR = ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "mesh.seq=1", "train.microbatches=2"]
+# 2 devices per host cannot hold tensor 2 x seq 2: tensor crosses hosts, on purpose
+FOUR_BY_TWO = ["mesh.data=2", "mesh.stage=1", "mesh.tensor=2", "mesh.seq=2",
+               "mesh.allow_cross_host=true"]
+DEADLINE_S = 240
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each sets its own devices
+    env.update(PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    return env
+
+
+def local_job(n: int, devices: int, run_dir: Path, *overrides: str) -> str:
+    """`launch/local.sh n` on the small model; returns its (prefixed) output."""
+    argv = ["bash", str(LOCAL), str(n), *SMALL, *COMMON, f"mesh.simulated_devices={devices}",
+            f"run.dir={run_dir}", *overrides]
+    proc = subprocess.Popen(argv, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every process it started
+        out, _ = proc.communicate()
+        pytest.fail(f"still running after {DEADLINE_S} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def losses(run_dir: Path) -> tuple[list[int], np.ndarray]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records], np.array([r["loss"] for r in records])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Losses of 8 steps on one device, in this process."""
+    cfg = config.load(None, SMALL + COMMON + ["mesh.data=1", "mesh.tensor=1"])
+    return train_losses(cfg, steps=8)[0]
+
+
+def test_two_processes_match_one_device_and_their_checkpoint_resumes_on_1_and_4(
+        tmp_path, reference):
+    run = tmp_path / "two"
+    out = local_job(2, 4, run, *TWO_BY_FOUR, "train.steps=6")
+    steps, got = losses(run)
+    assert steps == [1, 2, 3, 4, 5, 6]  # one record per step: only process 0 writes
+    assert max_rel_diff(got, reference[:6]) < 1e-4, (got, reference[:6])
+    assert "[0] step 6/6" in out and not re.search(r"^\[1\] step", out, re.M), out[-3000:]
+    assert "[1] process 1 of 2 (config)" in out
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "6").is_dir()
+
+    four = tmp_path / "four"
+    shutil.copytree(run, four)
+
+    # one process, one device, in this process: steps 7 and 8 from the 2-process checkpoint
+    cfg = config.load(None, SMALL + COMMON + ["mesh.data=1", "mesh.tensor=1", "train.steps=8",
+                                              f"run.dir={run}"])
+    more = train(cfg, devices=jax.devices()[:1])
+    assert [r["step"] for r in more] == [7, 8]
+    assert max_rel_diff([r["loss"] for r in more], reference[6:]) < 1e-4
+
+    # four processes of two devices each
+    local_job(4, 2, four, *FOUR_BY_TWO, "train.steps=8")
+    steps, got = losses(four)
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # appended to the 2-process run's records
+    assert max_rel_diff(got[6:], reference[6:]) < 1e-4, (got, reference)
+
+
+def test_four_processes_match_one_device(tmp_path, reference):
+    run = tmp_path / "four"
+    local_job(4, 2, run, *FOUR_BY_TWO, "train.steps=6")
+    steps, got = losses(run)
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert max_rel_diff(got, reference[:6]) < 1e-4, (got, reference[:6])
+
+
+def test_a_killed_process_stops_the_others_with_its_name(tmp_path):
+    """`launch/local.sh 3` (1 device each); kill -9 process 1 mid-run: processes 0 (the
+    coordinator) and 2 exit non-zero within 60 s, each saying that process 1 was lost, and
+    the launcher exits non-zero. (Its grace before SIGKILL is raised above the heartbeat
+    timeout here, so that the processes stop on their own.)"""
+    log = tmp_path / "job.log"
+    argv = ["bash", str(LOCAL), "3", *SMALL, *COMMON, "mesh.simulated_devices=1", "mesh.data=3",
+            "mesh.tensor=1", "train.global_batch=12", "parallel.zero_stage=0",
+            "train.steps=100000", f"run.dir={tmp_path / 'run'}"]
+    with log.open("w") as out:  # a file, not a pipe: nothing blocks on a full pipe
+        job = subprocess.Popen(argv, env={**_env(), "SPMD3D_KILL_GRACE_S": "50"}, cwd=REPO,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        start = time.monotonic()
+        while not re.search(r"^\[0\] step +3/", log.read_text(), re.M):
+            assert time.monotonic() - start < DEADLINE_S and job.poll() is None, \
+                log.read_text()[-3000:]
+            time.sleep(0.2)
+        victim = subprocess.run(["pgrep", "-P", str(job.pid), "-f", "dist.process_id=1 "],
+                                capture_output=True, text=True).stdout.split()
+        assert len(victim) == 1, victim
+        os.kill(int(victim[0]), signal.SIGKILL)  # no chance to say goodbye
+        killed = time.monotonic()
+        try:
+            rc = job.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("still running 60 s after the kill:\n" + log.read_text()[-3000:])
+        took = time.monotonic() - killed
+        text = log.read_text()
+        assert rc != 0, text[-3000:]
+        assert "local.sh: process 1 exited with status 137" in text
+        for i in (0, 2):
+            status = re.search(rf"^local.sh: process {i} exited with status (\d+)$", text, re.M)
+            line = re.search(rf"^\[{i}\] error: lost process 1 \(.*?\) of 3: [^\n]*", text, re.M)
+            assert status and int(status.group(1)) != 0 and line, (i, text[-3000:])
+            print(f"{line.group(0)} (exit {status.group(1)})")
+        print(f"launcher: exit {rc}, {took:.1f} s after the kill")
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
