@@ -38,6 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .config import ConfigError
+from .train import flat
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
@@ -80,15 +81,10 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
 _hash_all = jax.jit(lambda tree: jax.tree.map(_leaf_hash, tree))
 
 
-def _keyed(tree) -> dict:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(p, simple=True, separator='/'): x for p, x in leaves}
-
-
 def fingerprint(state: Any) -> dict[str, int]:
     """{leaf path: 32-bit hash} of an array pytree, computed where the arrays live (nothing is
     gathered; one small jitted reduction per leaf)."""
-    return {k: int(v) for k, v in _keyed(jax.device_get(_hash_all(state))).items()}
+    return {k: int(v) for k, v in flat(jax.device_get(_hash_all(state))).items()}
 
 
 def _all_processes(ok: bool) -> bool:
@@ -259,7 +255,7 @@ class Checkpointer:
         md = _quiet(lambda: ocp.PyTreeCheckpointHandler().metadata(
             self.step_dir(step) / STATE_ITEM))
         tree = getattr(md, 'tree', md)
-        return {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in _keyed(tree).items()}
+        return {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in flat(tree).items()}
 
     def step_dir(self, step: int) -> Path:
         return Path(self.directory) / str(int(step))
@@ -457,7 +453,6 @@ def _mesh_target(meta: dict, mesh) -> dict:
     from . import config as config_lib
     from .sharding import zero_rules
     from .step import state_shardings
-    from .train import flat
 
     sections = {**meta['config'], 'mesh': {**meta['config']['mesh'], **dict(mesh.shape)}}
     cfg = config_lib.override(config_lib.Config(), **sections)
