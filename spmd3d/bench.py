@@ -142,6 +142,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "zero_stage": cfg.parallel.zero_stage,
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "remat": cfg.parallel.remat,
+        "scan_layers": cfg.parallel.scan_layers,
         "microbatches": cfg.train.microbatches,
         "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
         "params": sum(math.prod(x.shape) for x in jax.tree.leaves(job.abstract.params)),
@@ -170,7 +171,8 @@ def format_report(r: dict) -> str:
     lines = [
         f"bench {r['config']}: mesh {r['mesh']} on {r['devices']} x {r['device_kind']}",
         f"  {r['dtype']}, ZeRO-{r['zero_stage']}, SP {r['sequence_parallel']}, "
-        f"remat {r['remat']}, microbatches {r['microbatches']}, {r['params']:,} parameters",
+        f"remat {r['remat']}, layers {'scanned' if r['scan_layers'] else 'unrolled'}, "
+        f"microbatches {r['microbatches']}, {r['params']:,} parameters",
         f"  compile     {r['compile_s']:.2f} s",
         f"  step time   median {r['step_time_median_s'] * 1e3:.1f} ms, "
         f"mean {r['step_time_mean_s'] * 1e3:.1f} ms over {r['steps']} steps",

@@ -71,6 +71,10 @@ class ParallelConfig:
     pipeline_repeats: int = 1
     sequence_parallel: bool = False
     remat: str = "none"
+    # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
+    # no per-layer copies into stacked residual buffers and scheduling across layers, for
+    # compile time that grows with depth -- a win for small, shallow models (see bench_small)
+    scan_layers: bool = True
 
 
 @dataclass(frozen=True)

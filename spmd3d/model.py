@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -68,10 +69,15 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(positions_bt, head_dim: int, theta: float):
-    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T]."""
-    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angle = positions_bt.astype(jnp.float32)[..., None] * freq
-    return jnp.cos(angle), jnp.sin(angle)
+    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T].
+
+    Static positions (numpy) give constant tables. Traced, XLA:CPU fuses cos and sin into
+    every consumer and evaluates them once per element of q and k, forward and backward.
+    """
+    xp = np if isinstance(positions_bt, np.ndarray) else jnp
+    freq = theta ** (-xp.arange(0, head_dim, 2, dtype=xp.float32) / head_dim)
+    angle = positions_bt.astype(xp.float32)[..., None] * freq
+    return xp.cos(angle), xp.sin(angle)
 
 
 def apply_rope(x, cos_bth, sin_bth):
@@ -95,10 +101,16 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
     block = max(block, t // 8)  # at most 8 query blocks: compile time grows with the count
     n = t // block if t % block == 0 and t > block else 1
     size, scale = t // n, q_btkgh.shape[-1] ** -0.5
+    # a key block's gradient sums over the query blocks that read it; slicing fp32 copies
+    # makes that sum fp32 (in bf16, XLA:CPU converts to fp32 and back around every add)
+    dtype = k_bskh.dtype
+    k_all, v_all = (k_bskh, v_bskh) if n == 1 else (k_bskh.astype(jnp.float32),
+                                                     v_bskh.astype(jnp.float32))
     outs = []
-    for i in range(n):
-        q = q_btkgh[:, i * size:(i + 1) * size]
-        k, v = k_bskh[:, : (i + 1) * size], v_bskh[:, : (i + 1) * size]
+    # a split, not slices: its transpose is one concatenate, not pads and adds
+    for i, q in enumerate(jnp.split(q_btkgh, n, axis=1)):
+        k = k_all[:, : (i + 1) * size].astype(dtype)
+        v = v_all[:, : (i + 1) * size].astype(dtype)
         s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
         mask = jnp.arange(size)[:, None] + i * size >= jnp.arange((i + 1) * size)[None, :]
         p = jax.nn.softmax(jnp.where(mask, s * scale, -jnp.inf), axis=-1).astype(v.dtype)
@@ -234,9 +246,10 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = "none",
-                 schedule: Schedule | None = None):
+                 schedule: Schedule | None = None, scan_layers: bool = True):
         self.cfg = cfg
         self.remat = remat
+        self.scan_layers = scan_layers  # false: the layer loop is unrolled when traced
         self.schedule = schedule  # a pipeline over the stage axis, or None
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std, cfg.param_dtype)
@@ -252,10 +265,11 @@ class Transformer(nnx.Module):
                            cfg.init_std, cfg.param_dtype)
 
     def __call__(self, tokens_bt, positions_t=None):
-        """tokens[B, T] -> logits[B, T, V] in fp32. positions[T] default to 0..T-1."""
+        """tokens[B, T] -> logits[B, T, V] in fp32. positions[T] (numpy for constant RoPE tables,
+        or traced) default to 0..T-1."""
         cfg = self.cfg
         if positions_t is None:
-            positions_t = jnp.arange(tokens_bt.shape[1])
+            positions_t = np.arange(tokens_bt.shape[1])
         with jax.named_scope("embed"):
             x = embed_lookup(_use(self.embed, cfg.param_dtype), tokens_bt).astype(cfg.dtype)
             x = constrain(x, ("batch", "res_length", "embed"))
@@ -268,7 +282,8 @@ class Transformer(nnx.Module):
                 return nnx.merge(graphdef, params)(x, *rope), None
 
             layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
-            return jax.lax.scan(layer, x, chunk, unroll=pipeline.unroll())[0]
+            unroll = pipeline.unroll() or not self.scan_layers
+            return jax.lax.scan(layer, x, chunk, unroll=unroll)[0]
 
         layout = current_layout()
         if self.schedule is None or self.schedule.stages == 1 or layout is None:
@@ -304,7 +319,8 @@ class Transformer(nnx.Module):
                                 layout.compute["layers"], mesh, batch_axis, seq_axis)
 
 
-def abstract_model(cfg: ModelConfig, remat: str = "none", schedule: Schedule | None = None):
+def abstract_model(cfg: ModelConfig, remat: str = "none", schedule: Schedule | None = None,
+                   scan_layers: bool = True):
     """(graphdef, State of ShapeDtypeStruct-valued Variables), without allocating anything."""
-    return nnx.split(nnx.eval_shape(
-        lambda: Transformer(cfg, nnx.Rngs(params=0), remat=remat, schedule=schedule)))
+    return nnx.split(nnx.eval_shape(lambda: Transformer(
+        cfg, nnx.Rngs(params=0), remat=remat, schedule=schedule, scan_layers=scan_layers)))

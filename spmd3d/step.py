@@ -47,7 +47,8 @@ def storage_order(cfg: Config) -> np.ndarray:
 def state_shardings(cfg: Config, mesh, rules: ZeroRules | None = None):
     """(graphdef, abstract TrainState, TrainState of NamedShardings) without allocating."""
     rules = rules or zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-    graphdef, params = abstract_model(cfg.model, cfg.parallel.remat, schedule_of(cfg))
+    graphdef, params = abstract_model(cfg.model, cfg.parallel.remat, schedule_of(cfg),
+                                      cfg.parallel.scan_layers)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
     shardings = TrainState(
@@ -84,7 +85,7 @@ def loss_sum(graphdef, params, tokens_bt1):
     order = sequence_order(inputs.shape[1])  # zig-zag under ring attention: a permutation
     positions = None
     if order is not None:
-        inputs, labels, positions = inputs[:, order], labels[:, order], jnp.asarray(order)
+        inputs, labels, positions = inputs[:, order], labels[:, order], np.asarray(order)
     logits_btv = nnx.merge(graphdef, params)(inputs, positions)
     logp = jax.nn.log_softmax(logits_btv, axis=-1)
     # a one-hot contraction keeps the vocab dim sharded (a gather would all-gather the logits)

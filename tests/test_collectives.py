@@ -72,3 +72,20 @@ def test_shardy_replica_groups_with_device_ids():
     permuted = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
     assert _groups(permuted) == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert _groups(permuted.replace("{'axis_0'}", "{'axis_1'}")) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+def test_unrolled_layers_run_the_same_tensor_collectives_without_a_loop():
+    """`parallel.scan_layers=false` traces the L layers one after another: no while loop in
+    the compiled step, and per step the same tensor-axis collectives as the scanned step (each
+    layer's own, L times over, instead of one loop body run L times)."""
+    def compiled(scan):
+        cfg = small_config(data=2, tensor=4, extra=(f"parallel.scan_layers={scan}",))
+        job = train.setup(cfg, devices_for(cfg))
+        text = job.compile()[0].as_text()
+        return text, hlo.collectives(text, job.mesh.shape)
+
+    (scanned, loop_colls), (unrolled, flat_colls) = compiled("true"), compiled("false")
+    assert " while(" in scanned and " while(" not in unrolled
+    assert all(c.trips == 1 for c in flat_colls)
+    tensor = lambda colls: {k: n for k, n in hlo.summary(colls).items() if k[1] == ("tensor",)}  # noqa: E731
+    assert tensor(flat_colls) == tensor(loop_colls) != {}
