@@ -1,5 +1,5 @@
 """`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble]
-[--checkpoint] [--json]`
+[--checkpoint] [--profile=DIR] [--json]`
 
 Throughput, MFU, compile time, per-device memory and the collectives of one compiled train
 step, for a named config and mesh. The timed loop runs the step alone: batches are built on
@@ -10,6 +10,8 @@ headline number because other work on a shared machine inflates the mean.
 asynchronous and synchronous) and a restore with its fingerprint check.
 `--bubble` (with `mesh.stage > 1`) also compiles the step with its loops unrolled and reports
 the pipeline's per-device FLOPs over the unpipelined step's next to the schedule's theory.
+`--profile=DIR` traces two more steps after the timed ones with `jax.profiler` into DIR and
+prints where their time went, per category and per instruction (see `profile.py`).
 With `--json` the last stdout line is one JSON object (`run_bench`'s record) for scripts.
 Exit status: 0 done, 2 invalid configuration or input (one line, no traceback), 1 anything else.
 """
@@ -28,7 +30,7 @@ from .config import Config, ConfigError
 from .data import DataError
 from .mesh import simulate_devices
 
-FLAGS = ("--steps", "--warmup", "--json", "--bubble", "--checkpoint")
+FLAGS = ("--steps", "--warmup", "--json", "--bubble", "--checkpoint", "--profile")
 SWITCHES = ("--json", "--bubble", "--checkpoint")
 
 
@@ -102,9 +104,11 @@ def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
     return out
 
 
-def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "default") -> dict:
+def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "default",
+              profile_dir: str | None = None) -> dict:
     """Compile, warm up and time `steps` train steps of `cfg` on all devices; the JSON record
-    (`name` labels it: main passes the config file's stem)."""
+    (`name` labels it: main passes the config file's stem). With `profile_dir`, two more steps
+    run under `jax.profiler` (after the timed ones, which it would slow down)."""
     import jax
 
     from . import hlo
@@ -127,6 +131,15 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         state, metrics = compiled(state, batch)  # state is donated: no copy per step
         metrics["loss"].block_until_ready()
         times.append(time.perf_counter() - start)
+    profiled = None
+    if profile_dir:
+        from . import profile
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for batch in batches[warmup:][:2]:
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+        profiled = profile.summarize(profile.trace_file(profile_dir), compiled.as_text(),
+                                     steps=len(batches[warmup:][:2]))
 
     median, n_dev = statistics.median(times), job.mesh.size
     tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / median
@@ -156,6 +169,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "peak_bytes": (stats or {}).get("peak_bytes_in_use"),
         "collectives": [{"kind": k, "axes": list(a), "count": n}
                         for (k, a), n in sorted(colls.items())],
+        **({"profile": profiled} if profiled else {}),
     }
 
 
@@ -188,6 +202,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  checkpoint  {c['bytes'] / 2**20:.1f} MiB: async save blocks "
                      f"{c['async']['blocking_s']:.3f} s (written in {c['async']['total_s']:.3f} s), "
                      f"sync save {c['sync']['total_s']:.3f} s, restore {c['restore_s']:.3f} s")
+    if "profile" in r:
+        from .profile import format_summary
+        lines.extend(format_summary(r["profile"]))
     if "bubble" in r:
         b = r["bubble"]
         lines.append(f"  pipeline    p={b['p']} m={b['m']} v={b['v']}: FLOPs x{b['measured']:.4f} "
@@ -208,14 +225,15 @@ def _int_flag(flag: str, minimum: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    steps, warmup, as_json, bubble, checkpoint = 10, 2, False, False, False
+    steps, warmup, as_json, bubble, checkpoint, profile_dir = 10, 2, False, False, False, None
     try:
         path, overrides, flags = config_lib.parse_args(argv)
         for f in flags:
             name = f.partition("=")[0]
             if name not in FLAGS or (name in SWITCHES) != (f in SWITCHES):
                 raise ConfigError("argv", f"unknown flag {f} "
-                                  "(known: --steps=N, --warmup=N, --bubble, --checkpoint, --json)")
+                                  "(known: --steps=N, --warmup=N, --bubble, --checkpoint, "
+                                  "--profile=DIR, --json)")
             if f == "--bubble":
                 bubble = True
             elif f == "--checkpoint":
@@ -224,12 +242,16 @@ def main(argv: list[str] | None = None) -> int:
                 steps = _int_flag(f, 1)
             elif name == "--warmup":
                 warmup = _int_flag(f, 0)
+            elif name == "--profile":
+                profile_dir = f.partition("=")[2]
+                if not profile_dir:
+                    raise ConfigError("argv", "--profile needs a directory: --profile=DIR")
             else:
                 as_json = True
         cfg = config_lib.load(path, overrides)
         simulate_devices(cfg.mesh.simulated_devices)
         name = Path(path).stem if path else "default"
-        record = run_bench(cfg, steps=steps, warmup=warmup, name=name)
+        record = run_bench(cfg, steps=steps, warmup=warmup, name=name, profile_dir=profile_dir)
         if bubble:
             if cfg.mesh.stage == 1:
                 raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")

@@ -5,11 +5,13 @@ tensor-parallel all-reduce are exact properties of the model and mesh.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
 from spmd3d import config as config_lib
-from spmd3d.bench import main, measure_checkpoint, run_bench
+from spmd3d import profile
+from spmd3d.bench import format_report, main, measure_checkpoint, run_bench
 
 TINY = ["model.num_layers=1", "model.d_model=64", "model.num_kv_heads=4", "model.d_ff=128",
         "train.seq_len=32", "train.global_batch=8", "mesh.simulated_devices=0", "mesh.tensor=2"]
@@ -24,9 +26,9 @@ def expected_params(m) -> int:
 
 
 @pytest.fixture(scope="module")
-def record():
+def record(tmp_path_factory):
     cfg = config_lib.load(None, TINY)
-    return cfg, run_bench(cfg, steps=2, warmup=1)
+    return cfg, run_bench(cfg, steps=2, warmup=1, profile_dir=str(tmp_path_factory.mktemp("prof")))
 
 
 def test_run_bench_record(record):
@@ -40,6 +42,37 @@ def test_run_bench_record(record):
                for c in r["collectives"])
     assert r["peak_bytes"] is None or r["peak_bytes"] > 0  # CPU reports no memory_stats
     json.dumps(r)  # the record is JSON-serializable as it is
+
+
+def test_profile_summary(record):
+    """The trace is written, and its events add up per instruction of the compiled step: the
+    tensor-parallel step spends time in matmuls and in collectives."""
+    _, r = record
+    p = r["profile"]
+    assert Path(p["trace"]).is_file() and p["trace"].endswith("perfetto_trace.json.gz")
+    assert p["op_seconds_per_step"] > 0
+    assert set(p["by_category"]) <= {"matmuls", "collectives", "other"}
+    assert p["by_category"]["matmuls"] > 0 and p["by_category"]["collectives"] > 0
+    assert sum(p["by_category"].values()) == pytest.approx(p["op_seconds_per_step"])
+    assert p["top"] and all(op["seconds"] > 0 and op["opcode"] != "while" for op in p["top"])
+    assert "op time" in format_report(r)
+
+
+def test_profile_categories():
+    text = """
+  %ynn_fusion.3 = f32[64,128]{1,0} fusion(%a, %b), kind=kCustom, calls=%c
+  %all-reduce.49 = f32[64,64]{1,0} all-reduce(%x), channel_id=4, to_apply=%add
+  ROOT %ag-start = (f32[8], f32[16]) all-gather-start(%y), dimensions={0}
+  %dot.1 = f32[4,4]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %add_fusion = f32[4]{0} fusion(%r), kind=kLoop, calls=%d
+  %while.2 = (s32[], f32[4]) while(%t), condition=%cond, body=%body
+"""
+    ops = profile.instructions(text)
+    assert ops["all-reduce.49"] == ("all-reduce", "f32[64,64]{1,0}")
+    assert ops["ag-start"] == ("all-gather-start", "(f32[8], f32[16])")
+    assert {n: profile.category(n, ops[n][0]) for n in ops} == {
+        "ynn_fusion.3": "matmuls", "all-reduce.49": "collectives", "ag-start": "collectives",
+        "dot.1": "matmuls", "add_fusion": "other", "while.2": "other"}
 
 
 def test_main_json_last_line(capsys):
@@ -69,6 +102,7 @@ def test_checkpoint_timings():
     (["model.num_layers=zero"], "model.num_layers"),
     (["--steps=0"], "argv"),
     (["--bogus"], "argv"),
+    (["--profile"], "argv"),
 ])
 def test_main_bad_input_exits_2(capsys, args, field):
     assert main(TINY + args) == 2

@@ -4,7 +4,8 @@
 * a checkpoint written by 2 processes resumes in 1 process and in 4;
 * only process 0 writes metrics and prints steps;
 * kill -9 one process: every other one exits non-zero within 60 s, naming it, and so does
-  the launcher.
+  the launcher;
+* SIGTERM: every process saves the same step and exits 0, and the run resumes from it.
 
 Each job is started by `launch/local.sh` in a session of its own, under a deadline after which
 the whole session is killed: nothing can hang CI.
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -62,6 +64,35 @@ def local_job(n: int, devices: int, run_dir: Path, *overrides: str) -> str:
         pytest.fail(f"still running after {DEADLINE_S} s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-6000:]
     return out
+
+
+@contextmanager
+def background_job(argv: list[str], log: Path, env: dict | None = None):
+    """A job writing to `log` (a file, not a pipe: nothing blocks on a full pipe), its whole
+    session killed on the way out if it still runs."""
+    with log.open("w") as out:
+        job = subprocess.Popen(argv, env=env or _env(), cwd=REPO, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
+def wait_for_line(job, log: Path, pattern: str) -> None:
+    start = time.monotonic()
+    while not re.search(pattern, log.read_text(), re.M):
+        assert time.monotonic() - start < DEADLINE_S and job.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def exit_status_within(job, log: Path, seconds: float, after: str) -> int:
+    try:
+        return job.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {seconds} s after {after}:\n" + log.read_text()[-3000:])
 
 
 def losses(run_dir: Path) -> tuple[list[int], np.ndarray]:
@@ -121,24 +152,14 @@ def test_a_killed_process_stops_the_others_with_its_name(tmp_path):
     argv = ["bash", str(LOCAL), "3", *SMALL, *COMMON, "mesh.simulated_devices=1", "mesh.data=3",
             "mesh.tensor=1", "train.global_batch=12", "parallel.zero_stage=0",
             "train.steps=100000", f"run.dir={tmp_path / 'run'}"]
-    with log.open("w") as out:  # a file, not a pipe: nothing blocks on a full pipe
-        job = subprocess.Popen(argv, env={**_env(), "SPMD3D_KILL_GRACE_S": "50"}, cwd=REPO,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        start = time.monotonic()
-        while not re.search(r"^\[0\] step +3/", log.read_text(), re.M):
-            assert time.monotonic() - start < DEADLINE_S and job.poll() is None, \
-                log.read_text()[-3000:]
-            time.sleep(0.2)
+    with background_job(argv, log, {**_env(), "SPMD3D_KILL_GRACE_S": "50"}) as job:
+        wait_for_line(job, log, r"^\[0\] step +3/")
         victim = subprocess.run(["pgrep", "-P", str(job.pid), "-f", "dist.process_id=1 "],
                                 capture_output=True, text=True).stdout.split()
         assert len(victim) == 1, victim
         os.kill(int(victim[0]), signal.SIGKILL)  # no chance to say goodbye
         killed = time.monotonic()
-        try:
-            rc = job.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("still running 60 s after the kill:\n" + log.read_text()[-3000:])
+        rc = exit_status_within(job, log, 60, "the kill")
         took = time.monotonic() - killed
         text = log.read_text()
         assert rc != 0, text[-3000:]
@@ -149,7 +170,28 @@ def test_a_killed_process_stops_the_others_with_its_name(tmp_path):
             assert status and int(status.group(1)) != 0 and line, (i, text[-3000:])
             print(f"{line.group(0)} (exit {status.group(1)})")
         print(f"launcher: exit {rc}, {took:.1f} s after the kill")
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+
+
+def test_sigterm_stops_every_process_at_one_saved_step_and_the_run_resumes(tmp_path):
+    """SIGTERM to the launcher (as a scheduler would send it) reaches both processes; jax's
+    preemption service makes them stop after the same step, save it (each its own shards: the
+    step is complete and restorable only if both did) and exit 0. A rerun resumes after it."""
+    run = tmp_path / "run"
+    log = tmp_path / "job.log"
+    job_args = [*SMALL, *COMMON, "mesh.simulated_devices=1", "mesh.data=2", "mesh.tensor=1",
+                f"run.dir={run}"]
+    with background_job(["bash", str(LOCAL), "2", *job_args, "train.steps=100000"], log) as job:
+        wait_for_line(job, log, r"^\[0\] step +3/")
+        job.send_signal(signal.SIGTERM)
+        rc = exit_status_within(job, log, 60, "SIGTERM")
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    saved = re.findall(r"^\[0\] preempted: saved step (\d+);", text, re.M)  # process 0 speaks
+    assert len(saved) == 1, text[-3000:]
+    step = int(saved[0])
+    assert step >= 3 and losses(run)[0][-1] == step
+    assert max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == step
+
+    out = local_job(2, 1, run, "mesh.data=2", "mesh.tensor=1", f"train.steps={step + 1}")
+    assert re.search(rf"^\[0\] step +{step + 1}/{step + 1}", out, re.M), out[-3000:]
+    assert losses(run)[0][-2:] == [step, step + 1]
