@@ -134,12 +134,13 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
     profiled = None
     if profile_dir:
         from . import profile
+        traced = batches[warmup:][:2]
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            for batch in batches[warmup:][:2]:
+            for batch in traced:
                 state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
         profiled = profile.summarize(profile.trace_file(profile_dir), compiled.as_text(),
-                                     steps=len(batches[warmup:][:2]))
+                                     steps=len(traced))
 
     median, n_dev = statistics.median(times), job.mesh.size
     tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / median

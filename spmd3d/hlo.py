@@ -17,8 +17,10 @@ import numpy as np
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
           "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = (?P<shape>\([^=]*?\)|\S+) "
-                 r"(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\((?P<rest>.*)$")
+# an instruction's line up to its opcode: `  ROOT %name = shape opcode(`
+_HEAD = r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>\([^=]*?\)|\S+) "
+_OP = re.compile(_HEAD + r"(?P<kind>" + "|".join(KINDS) + r")(?:-start)?\((?P<rest>.*)$")
+_INSTRUCTION = re.compile(_HEAD + r"(?P<opcode>[\w\-]+)\(", re.M)
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
@@ -129,6 +131,11 @@ def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
         return n if parent is None or depth > 8 else n * trips(parent, depth + 1)
 
     return [Collective(c.kind, c.bytes, c.axes, c.computation, trips(c.computation)) for c in out]
+
+
+def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (opcode, result shape)} of every instruction in an HLO module."""
+    return {m["name"]: (m["opcode"], m["shape"]) for m in _INSTRUCTION.finditer(hlo_text)}
 
 
 def summary(colls: list[Collective]) -> Counter:

@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 from collections import Counter
 from pathlib import Path
 
-from .hlo import KINDS
+from .hlo import KINDS, instructions
 
 # a loop, a branch or a call contains the events of the instructions it runs
 _CONTAINERS = ("while", "conditional", "call")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\([^=]*?\)|\S+) ([\w\-]+)\(", re.M)
 _MATMUL_NAMES = ("ynn", "xnn", "onednn", "gemm", "cublas", "dot", "convolution")
-
-
-def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """{instruction name: (opcode, result shape)} of every instruction in an HLO module."""
-    return {m[1]: (m[3], m[2]) for m in _INSTRUCTION.finditer(hlo_text)}
 
 
 def category(name: str, opcode: str) -> str:

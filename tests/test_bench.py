@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from spmd3d import config as config_lib
-from spmd3d import profile
+from spmd3d import hlo, profile
 from spmd3d.bench import format_report, main, measure_checkpoint, run_bench
 
 TINY = ["model.num_layers=1", "model.d_model=64", "model.num_kv_heads=4", "model.d_ff=128",
@@ -67,7 +67,7 @@ def test_profile_categories():
   %add_fusion = f32[4]{0} fusion(%r), kind=kLoop, calls=%d
   %while.2 = (s32[], f32[4]) while(%t), condition=%cond, body=%body
 """
-    ops = profile.instructions(text)
+    ops = hlo.instructions(text)
     assert ops["all-reduce.49"] == ("all-reduce", "f32[64,64]{1,0}")
     assert ops["ag-start"] == ("all-gather-start", "(f32[8], f32[16])")
     assert {n: profile.category(n, ops[n][0]) for n in ops} == {
