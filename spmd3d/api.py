@@ -4,15 +4,15 @@ wires together, one call each, with no command line and no global state but the 
     import spmd3d
     spmd3d.simulate(8)                       # before anything imports jax
     cfg = spmd3d.configure("demo", ["train.steps=5"], mesh=dict(data=2, tensor=4))
-    exp = spmd3d.Experiment(cfg)             # mesh, shardings, data: `train.setup`
+    exp = spmd3d.Experiment(cfg)             # plan, shardings, data: `runtime.setup`
     records = exp.run(5)                     # [{'step': 1, 'loss': ...}, ...]
     exp.params_table(); exp.memory(); exp.collectives()
     exp.save("runs/nb")                      # an Orbax checkpoint, canonical layer order
     other = spmd3d.restore(cfg_on_another_mesh, "runs/nb")
 
 Nothing here imports jax at import time: `simulate` must be able to run first. Everything is
-built from `train.setup` / `train.restore_or_init` / `step.init_state`, so an experiment is
-the same computation as the command line's run of the same config.
+built from `runtime.setup` / `runtime.restore_or_init`, so an experiment is the same
+computation as the command line's run of the same config.
 """
 
 from __future__ import annotations
@@ -103,17 +103,6 @@ class Table(list):
         p.text(repr(self))
 
 
-def _by_path(params) -> dict:
-    """{'blocks/mlp/w_down': array, ...}: parameters named as in `sharding.describe`."""
-    import jax
-    from flax import nnx
-
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]
-    return {jax.tree_util.keystr(p, simple=True, separator="/"): v.get_value() if is_var(v) else v
-            for p, v in leaves}
-
-
 def _cell(x) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -121,7 +110,7 @@ def _cell(x) -> str:
 class Experiment:
     """One config on one mesh: the sharded state, the compiled step, and readouts of both.
 
-    Built by `train.setup` (mesh, shardings, jitted step, data), so it is exactly the run
+    Built by `runtime.setup` (plan, shardings, jitted step, data), so it is exactly the run
     `python -m spmd3d.train` would do. The state is created on first use (`init_state`) or
     restored by `restore`; `run` continues from the current step, so the data order and the
     learning-rate schedule follow the global step as in a resumed command-line run.
@@ -130,14 +119,15 @@ class Experiment:
     def __init__(self, cfg: Config, devices=None):
         import jax
 
-        from .train import setup
+        from .runtime import setup
 
         if devices is None:  # a fixed mesh smaller than the machine takes its first devices
             sizes = cfg.mesh.sizes()
             n = sizes["stage"] * sizes["tensor"] * sizes["seq"] * max(sizes["data"], 0)
             devices = jax.devices()[:n] if n else jax.devices()
         self.job = setup(cfg, devices)
-        self.cfg = self.job.cfg  # mesh.data resolved
+        self.plan = self.job.plan
+        self.cfg = self.plan.cfg  # mesh.data resolved
         self.mesh = self.job.mesh
         self.step = 0  # optimizer steps taken
         self.history: list[dict] = []  # every record `run` returned
@@ -153,17 +143,13 @@ class Experiment:
 
     @property
     def rules(self):
-        from .sharding import zero_rules
-
-        return zero_rules(self.cfg.parallel.zero_stage, self.cfg.parallel.sequence_parallel)
+        return self.plan.rules
 
     @property
     def state(self):
         """The TrainState, created in its shardings on first use (seeded by `train.seed`)."""
         if self._state is None:
-            from .step import init_state
-
-            self._state = init_state(self.cfg, self.mesh, self.job.shardings)
+            self._state = self.job.init_state()
         return self._state
 
     @state.setter
@@ -181,7 +167,7 @@ class Experiment:
         `metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, step_time_s, mfu)."""
         import jax
 
-        from .train import step_record
+        from .runtime import step_record
 
         compiled, state = self.compile(), self.state
         records = []
@@ -210,7 +196,9 @@ class Experiment:
         """The live (sharded) array of one parameter by its `params_table` name, e.g.
         `exp.param("embed")`; stacked block weights are in storage order (a circular pipeline
         keeps each stage's layers together)."""
-        params = _by_path(self.state.params)
+        from .store import flat
+
+        params = flat(self.state.params)
         if path not in params:
             raise KeyError(f"{path!r}; parameters: {', '.join(params)}")
         return params[path]
@@ -220,8 +208,10 @@ class Experiment:
         checkpoint holds, equal across meshes for the same training."""
         import numpy as np
 
+        from .store import flat
+
         state = self.job.reorder(self.state, to_canonical=True)
-        return {k: np.asarray(v) for k, v in _by_path(state.params).items()}
+        return {k: np.asarray(v) for k, v in flat(state.params).items()}
 
     # -- the compiled step ----------------------------------------------------------------
 
@@ -251,7 +241,7 @@ class Experiment:
         import yaml
 
         from .checkpoint import Checkpointer
-        from .train import checkpoint_meta, flat
+        from .runtime import checkpoint_meta
 
         run_dir = Path(run_dir or self.cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -261,8 +251,7 @@ class Experiment:
         ckpt = Checkpointer(run_dir / "checkpoints", every=0, keep=self.cfg.checkpoint.keep,
                             async_save=False)
         try:
-            ckpt.save(self.step, flat(self.job.reorder(self.state, True)._asdict()), meta,
-                      force=True)
+            ckpt.save(self.step, self.job.entries(self.state), meta, force=True)
             ckpt.wait()
         finally:
             ckpt.close()
@@ -272,9 +261,9 @@ class Experiment:
 def restore(target: Config | Experiment, run_dir: str | Path) -> Experiment:
     """The newest checkpoint under `run_dir` onto the mesh of `target` (a config, or an
     experiment whose compiled step is reused). Any mesh works: checkpoints hold the canonical
-    layout and `train.restore_or_init` restores it straight into the target shardings."""
+    layout and `runtime.restore_or_init` restores it straight into the target shardings."""
     from .checkpoint import Checkpointer
-    from .train import restore_or_init
+    from .runtime import restore_or_init
 
     exp = target if isinstance(target, Experiment) else Experiment(target)
     directory = Path(run_dir) / "checkpoints"
@@ -310,3 +299,25 @@ def compare(experiments: dict) -> Table:
     order = {a: i for i, a in enumerate(AXES)}
     groups.sort(key=lambda g: (g.count("+"), [order.get(a, 9) for a in g.split("+")]))
     return Table(rows, ["layout", "mesh", "args MiB", "temp MiB", "total MiB"] + groups)
+
+
+def load(run_dir: str | Path, mesh=None, step: int | None = None, what: str = "params"):
+    """(nested dict of arrays, meta) of a checkpoint's `what` subtree ('params', 'opt' or ''
+    for all), for a notebook: on this process's first device, or with `mesh` (a
+    `jax.sharding.Mesh` of any shape) in the shardings the checkpoint's own config gives on it."""
+    from . import checkpoint, store
+
+    target = None
+    if mesh is not None:
+        def target(meta):
+            from .plan import Plan
+            from .step import state_shardings
+
+            sections = {**meta["config"], "mesh": {**meta["config"]["mesh"], **dict(mesh.shape)}}
+            cfg = config_lib.override(Config(), **sections)
+            plan = Plan.resolve(cfg, mesh.devices.flat)
+            _, abstract, shardings = state_shardings(plan)
+            # stored in canonical order: a pipeline's storage order does not matter here
+            return store.flat(store.abstract_like(abstract, shardings))
+
+    return checkpoint.load(run_dir, step, what=what, target=target)

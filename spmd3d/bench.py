@@ -25,13 +25,28 @@ import sys
 import time
 from pathlib import Path
 
+from . import cli
 from . import config as config_lib
 from .config import Config, ConfigError
-from .data import DataError
 from .mesh import simulate_devices
 
-FLAGS = ("--steps", "--warmup", "--json", "--bubble", "--checkpoint", "--profile")
-SWITCHES = ("--json", "--bubble", "--checkpoint")
+COMMAND = cli.Command(
+    prog="python -m spmd3d.bench",
+    usage="[CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble] [--checkpoint] "
+          "[--profile=DIR] [--json]",
+    description=("Throughput, MFU, compile time, per-device memory and the collectives of one "
+                 "compiled train step of a config on its mesh. The median step time is the "
+                 "headline. Exit status 0 done, 2 bad configuration or input (one line), 1 "
+                 "anything else."),
+    flags=(
+        cli.Flag("--steps", "int", "timed steps (default 10)", minimum=1),
+        cli.Flag("--warmup", "int", "untimed steps first (default 2)", minimum=0),
+        cli.Flag("--bubble", help="with mesh.stage > 1: the pipeline's FLOPs against theory"),
+        cli.Flag("--checkpoint", help="also time checkpoint saves (async, sync) and a restore"),
+        cli.Flag("--profile", "str", "trace two more steps with jax.profiler into DIR"),
+        cli.Flag("--json", help="the last stdout line is the record as one JSON object"),
+    ),
+)
 
 
 def measure_bubble(cfg: Config) -> dict:
@@ -44,10 +59,14 @@ def measure_bubble(cfg: Config) -> dict:
     import jax
 
     from .pipeline import unrolled_loops
-    from .train import setup
+    from .plan import Plan
+    from .runtime import setup
 
-    cfg = config_lib.resolve_mesh(cfg, len(jax.devices()))
-    p, m, v = cfg.mesh.stage, cfg.train.microbatches, cfg.parallel.pipeline_repeats
+    plan = Plan.resolve(cfg)
+    cfg, schedule = plan.cfg, plan.schedule
+    if schedule is None:
+        raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
     def flops(c):
         job = setup(c, jax.devices()[: c.mesh.data * c.mesh.stage * c.mesh.tensor * c.mesh.seq])
@@ -61,39 +80,44 @@ def measure_bubble(cfg: Config) -> dict:
     half = flops(config_lib.override(base, model={"num_layers": cfg.model.num_layers // 2}))
     outside = 2 * half - full
     measured = (flops(cfg) - outside) * p / (full - outside)
-    return {"p": p, "m": m, "v": v, "measured": measured, "theory": (v * m + p - 1) / (v * m)}
+    return {"p": p, "m": m, "v": v, "measured": measured,
+            "theory": schedule.ticks / (v * m)}
 
 
 def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
     """Median seconds per checkpoint save -- `blocking_s`, until training may go on (device to
     host copy, fingerprints), and `total_s`, until committed on disk -- with `checkpoint.async`
-    on and off, plus one restore (read, re-shard onto the mesh, fingerprint check)."""
+    on and off, plus one restore (read, re-shard onto the mesh, fingerprint check).
+    `committed_on_return`: whether each save's step was listed as committed when `save`
+    returned (always for a synchronous save; for an asynchronous one only if its write won
+    the race)."""
     import tempfile
 
     import jax
 
     from .checkpoint import Checkpointer, directory_bytes
-    from .step import init_state
-    from .train import flat, restore_or_init, setup
+    from .runtime import restore_or_init, setup
 
     job = setup(cfg)
-    state = init_state(job.cfg, job.mesh, job.shardings)
+    state = job.init_state()
     state, _ = job.step_fn(state, job.global_batch(0))  # Adam moments of zeros would compress
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("async", "sync"):
             ckpt = Checkpointer(Path(tmp) / mode, every=1, keep=2, async_save=mode == "async")
-            blocking, total = [], []
+            blocking, total, committed = [], [], []
             for step in range(saves + 1):  # the first save compiles the fingerprint; not timed
                 start = time.perf_counter()
-                ckpt.save(step, flat(job.reorder(state, True)._asdict()), {"step": step})
+                ckpt.save(step, job.entries(state), {"step": step})
                 returned = time.perf_counter()
+                committed.append(ckpt.latest_step() == step)
                 ckpt.wait()
                 if step:
                     blocking.append(returned - start)
                     total.append(time.perf_counter() - start)
             out[mode] = {"blocking_s": statistics.median(blocking),
-                         "total_s": statistics.median(total)}
+                         "total_s": statistics.median(total),
+                         "committed_on_return": all(committed)}
             if mode == "sync":
                 out["bytes"] = directory_bytes(Path(tmp) / mode / str(saves))
                 start = time.perf_counter()
@@ -113,13 +137,12 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
 
     from . import hlo
     from .metrics import mfu
-    from .step import init_state
-    from .train import setup
+    from .runtime import setup
 
     job = setup(cfg)
     cfg = job.cfg
     compiled, compile_s = job.compile()
-    state = init_state(cfg, job.mesh, job.shardings)
+    state = job.init_state()
     batches = jax.block_until_ready([job.global_batch(s) for s in range(warmup + steps)])
 
     for batch in batches[:warmup]:
@@ -142,7 +165,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         profiled = profile.summarize(profile.trace_file(profile_dir), compiled.as_text(),
                                      steps=len(traced))
 
-    median, n_dev = statistics.median(times), job.mesh.size
+    median, n_dev = statistics.median(times), job.plan.num_devices
     tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / median
     peak_flops = job.topology.peak_flops(cfg.model.dtype, n_dev)
     stats = jax.devices()[0].memory_stats()  # None on CPU
@@ -213,59 +236,24 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _int_flag(flag: str, minimum: int) -> int:
-    name, _, raw = flag.partition("=")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError("argv", f"{name} needs an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError("argv", f"{name} must be >= {minimum}, got {value}")
-    return value
+def _run(args: cli.Args) -> int:
+    cfg = config_lib.load(args.config, args.overrides)
+    simulate_devices(cfg.mesh.simulated_devices)
+    name = Path(args.config).stem if args.config else "default"
+    record = run_bench(cfg, steps=args.flags.get("--steps", 10), warmup=args.flags.get("--warmup", 2),
+                       name=name, profile_dir=args.flags.get("--profile"))
+    if args.flags.get("--bubble"):
+        record["bubble"] = measure_bubble(cfg)
+    if args.flags.get("--checkpoint"):
+        record["checkpoint"] = measure_checkpoint(cfg)
+    print(format_report(record), flush=True)
+    if args.flags.get("--json"):
+        print(json.dumps(record), flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    steps, warmup, as_json, bubble, checkpoint, profile_dir = 10, 2, False, False, False, None
-    try:
-        path, overrides, flags = config_lib.parse_args(argv)
-        for f in flags:
-            name = f.partition("=")[0]
-            if name not in FLAGS or (name in SWITCHES) != (f in SWITCHES):
-                raise ConfigError("argv", f"unknown flag {f} "
-                                  "(known: --steps=N, --warmup=N, --bubble, --checkpoint, "
-                                  "--profile=DIR, --json)")
-            if f == "--bubble":
-                bubble = True
-            elif f == "--checkpoint":
-                checkpoint = True
-            elif name == "--steps":
-                steps = _int_flag(f, 1)
-            elif name == "--warmup":
-                warmup = _int_flag(f, 0)
-            elif name == "--profile":
-                profile_dir = f.partition("=")[2]
-                if not profile_dir:
-                    raise ConfigError("argv", "--profile needs a directory: --profile=DIR")
-            else:
-                as_json = True
-        cfg = config_lib.load(path, overrides)
-        simulate_devices(cfg.mesh.simulated_devices)
-        name = Path(path).stem if path else "default"
-        record = run_bench(cfg, steps=steps, warmup=warmup, name=name, profile_dir=profile_dir)
-        if bubble:
-            if cfg.mesh.stage == 1:
-                raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
-            record["bubble"] = measure_bubble(cfg)
-        if checkpoint:
-            record["checkpoint"] = measure_checkpoint(cfg)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_report(record), flush=True)
-    if as_json:
-        print(json.dumps(record), flush=True)
-    return 0
+    return cli.run(COMMAND, argv, _run)
 
 
 if __name__ == "__main__":

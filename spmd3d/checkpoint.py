@@ -17,8 +17,12 @@ to ``<step>.orbax-checkpoint-tmp`` and renamed when complete; on GCS a
 ``commit_success.txt`` marker is written last. Unfinished steps are never
 listed.
 
+Keys follow ``store.py``'s schema, whose version every step's metadata records; a step of
+another schema is refused (``CheckpointError``, exit status 2), never restored into the wrong
+arrays. This module imports nothing of spmd3d above the config and the store.
+
 ``python -m spmd3d.checkpoint info RUN_DIR [--verify]`` lists a run's checkpoints;
-``load(RUN_DIR)`` returns the parameters as a pytree for a notebook.
+``load(RUN_DIR)`` returns the arrays as nested dicts for a notebook.
 """
 
 from __future__ import annotations
@@ -33,19 +37,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from . import cli
 from .config import ConfigError
-from .train import flat
+from .store import SCHEMA, fingerprint, flat, nest
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
 TMP_MARK = '.orbax-checkpoint-tmp'
-# config fields that decide the arrays' shapes: a checkpoint written with other values cannot load
-MODEL_SHAPE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'head_dim', 'd_ff',
-                      'vocab_size', 'param_dtype')
+
 
 
 class CheckpointError(ConfigError):
@@ -60,33 +62,6 @@ class Damaged(Exception):
         self.step, self.why = step, why
 
 
-# ------------------------------------------------------------------------------- fingerprints
-def _leaf_hash(x: jax.Array) -> jax.Array:
-    """Position-weighted sum of the bit patterns, mod 2**32. Integer addition is associative, so
-    the value is the same whatever the sharding or reduction order; a flipped bit, a zeroed
-    chunk or two swapped blocks all change it."""
-    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
-                                            8: jnp.uint32}[x.dtype.itemsize])
-    bits = bits.astype(jnp.uint32)
-    if bits.ndim > x.ndim:  # 8-byte types bitcast to [..., 2]
-        bits = bits[..., 0] ^ (bits[..., 1] * jnp.uint32(0x85EBCA6B))
-    index = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(bits.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride)
-        stride = (stride * bits.shape[d]) % (1 << 32)
-    return jnp.sum(bits * (index * jnp.uint32(0x9E3779B1) + jnp.uint32(1)), dtype=jnp.uint32)
-
-
-_hash_all = jax.jit(lambda tree: jax.tree.map(_leaf_hash, tree))
-
-
-def fingerprint(state: Any) -> dict[str, int]:
-    """{leaf path: 32-bit hash} of an array pytree, computed where the arrays live (nothing is
-    gathered; one small jitted reduction per leaf)."""
-    return {k: int(v) for k, v in flat(jax.device_get(_hash_all(state))).items()}
-
-
 def _all_processes(ok: bool) -> bool:
     """True when `ok` holds on every process (a read error may hit only the process that
     owns the damaged chunk; all must agree before any collective runs)."""
@@ -95,21 +70,6 @@ def _all_processes(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
-
-
-def abstract_like(state: Any, shardings: Any | None = None) -> Any:
-    """Builds a restore target (``jax.ShapeDtypeStruct`` leaves with sharding).
-
-    ``shardings`` is a pytree of ``jax.sharding.Sharding`` matching ``state``;
-    when omitted, each leaf's own ``.sharding`` is used. Convenient for tests
-    and for callers that already hold a freshly initialised (or eval_shape'd)
-    state on the new mesh.
-    """
-    if shardings is None:
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
 
 
 class Checkpointer:
@@ -125,15 +85,8 @@ class Checkpointer:
     Must be constructed and called on every process (orbax syncs internally).
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        *,
-        every: int,
-        keep: int,
-        async_save: bool = True,
-        cleanup_tmp: bool = False,
-    ):
+    def __init__(self, directory: str | os.PathLike, *, every: int, keep: int,
+                 async_save: bool = True, cleanup_tmp: bool = False):
         self.directory = os.path.abspath(os.fspath(directory))
         self.every = int(every)
         self.keep = int(keep)
@@ -190,7 +143,7 @@ class Checkpointer:
             return False
         if step in self._mngr.all_steps():
             return False
-        meta = {**meta, 'fingerprint': fingerprint(state)}
+        meta = {'schema': SCHEMA, **meta, 'fingerprint': fingerprint(state)}
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
@@ -252,7 +205,7 @@ class Checkpointer:
 
     def saved_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """{leaf path: (shape, dtype name)} as written, from orbax's metadata (no array reads)."""
-        md = _quiet(lambda: ocp.PyTreeCheckpointHandler().metadata(
+        md = quiet(lambda: ocp.PyTreeCheckpointHandler().metadata(
             self.step_dir(step) / STATE_ITEM))
         tree = getattr(md, 'tree', md)
         return {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in flat(tree).items()}
@@ -291,7 +244,7 @@ class Checkpointer:
         self.close()
 
 
-def _quiet(fn):
+def quiet(fn):
     """Runs fn with orbax's informational logging silenced (e.g. its complaint that the devices
     differ from the writer's, which is the point of restoring onto another mesh)."""
     root, level = logging.getLogger(), logging.getLogger().level
@@ -300,62 +253,6 @@ def _quiet(fn):
         return fn()
     finally:
         root.setLevel(level)
-
-
-# ------------------------------------------------------------------------------------ resuming
-def check_compatible(ckpt: Checkpointer, step: int, meta: dict, model: dict, target: dict) -> None:
-    """Raises ``CheckpointError`` naming the first field in which the checkpoint and the run's
-    model disagree (layer count, width, vocab, ...), then any array whose shape differs."""
-    where = f'checkpoint step {step} in {ckpt.directory}'
-    saved_model = meta.get('config', {}).get('model', {})
-    for name in MODEL_SHAPE_FIELDS:
-        if name in saved_model and name in model and saved_model[name] != model[name]:
-            raise CheckpointError(f'model.{name}', f'{where} was written with {saved_model[name]}, '
-                                  f'this run has {model[name]} (use another run.dir to start afresh)')
-    saved = ckpt.saved_shapes(step)
-    want = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in target.items()}
-    for k in sorted(set(saved) | set(want)):
-        if saved.get(k) != want.get(k):
-            raise CheckpointError('checkpoint', f'{where} does not match this model at {k}: '
-                                  f'saved {saved.get(k)}, expected {want.get(k)}')
-
-
-def restore_newest(ckpt: Checkpointer, target: dict, model: dict, *, fallback: bool = False,
-                   log=print) -> tuple[Any, dict] | None:
-    """(state, meta) of the newest committed step, or None when there is none.
-
-    A damaged newest step stops the run with a one-line ``CheckpointError`` that names it and
-    the step before it; with ``fallback`` the damaged step is moved aside (kept, not deleted)
-    and the previous one is tried. A checkpoint of another model is always an error.
-    """
-    steps = _same_on_all_processes(ckpt.all_steps())
-    while steps:
-        step = steps.pop()
-        try:
-            meta = ckpt.read_meta(step)
-            check_compatible(ckpt, step, meta, model, target)
-            return _quiet(lambda: ckpt.restore(step, target))
-        except Damaged as e:
-            if not fallback:
-                before = (f'the newest step before it is {steps[-1]}; rerun with '
-                          'checkpoint.fallback=true to resume from it' if steps
-                          else 'there is no earlier step')
-                raise CheckpointError('checkpoint', f'{ckpt.directory}: {e}; {before}') from None
-            moved = ckpt.quarantine(step)
-            log(f'warning: checkpoint {e}; moved to {moved}, trying the step before it')
-    return None
-
-
-def _same_on_all_processes(steps: list[int]) -> list[int]:
-    """Process 0's list of steps on every process: a caching shared filesystem (NFS) may show
-    processes different newest steps, and all must restore the same one."""
-    if jax.process_count() == 1:
-        return steps
-    from jax.experimental import multihost_utils
-
-    padded = np.full(256, -1, np.int64)
-    padded[:len(steps[-256:])] = steps[-256:]
-    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded) if s >= 0]
 
 
 # ------------------------------------------------------------------------- inspection / loading
@@ -377,11 +274,13 @@ def info(run_dir: str | os.PathLike, verify: bool = False) -> list[dict]:
         if not (d.is_dir() and base.isdigit()):
             continue
         row = {'step': int(base), 'complete': TMP_MARK not in d.name, 'path': str(d),
-               'bytes': directory_bytes(d), 'written': d.stat().st_mtime, 'mesh': None, 'zero': None}
+               'bytes': directory_bytes(d), 'written': d.stat().st_mtime, 'mesh': None, 'zero': None,
+               'schema': None}
         try:
             meta = json.loads((d / META_ITEM / 'metadata').read_text())
             row['mesh'] = meta.get('mesh')
             row['zero'] = meta.get('config', {}).get('parallel', {}).get('zero_stage')
+            row['schema'] = meta.get('schema', 1)
         except (OSError, ValueError):
             if row['complete']:  # committed, yet its metadata cannot be read
                 row['problem'] = 'metadata unreadable'
@@ -402,20 +301,20 @@ def _single_device_target(ckpt: Checkpointer, step: int, keep=lambda key: True) 
 
 def _verify(ckpt: Checkpointer, step: int) -> str:
     try:
-        _quiet(lambda: ckpt.restore(step, _single_device_target(ckpt, step)))
+        quiet(lambda: ckpt.restore(step, _single_device_target(ckpt, step)))
         return 'ok'
     except Damaged as e:
         return e.why
 
 
-def load(run_dir: str | os.PathLike, step: int | None = None, mesh=None, *,
-         what: str = 'params') -> tuple[dict, dict]:
-    """(nested dict of arrays, meta) of one checkpoint's ``what`` subtree ('params',
-    'opt_state' or '' for everything), for a notebook.
+def load(run_dir: str | os.PathLike, step: int | None = None, *, what: str = 'params',
+         target=None) -> tuple[dict, dict]:
+    """(nested dict of arrays, meta) of one checkpoint's ``what`` subtree ('params', 'opt' or
+    '' for everything), for a notebook. Only the arrays asked for are read.
 
-    ``mesh=None`` puts every array on this process's first device; with a ``jax.sharding.Mesh``
-    the arrays get the shardings this run's rules give them on that mesh (any shape of mesh, as
-    the stored layout is canonical). Only the arrays asked for are read.
+    ``target(meta) -> {key: jax.ShapeDtypeStruct with a sharding}`` places them (``api.load``
+    gives the shardings a mesh's plan has); by default every array goes to this process's first
+    device.
     """
     root = Path(run_dir) / 'checkpoints'
     with Checkpointer(root if root.is_dir() else run_dir, every=0, keep=1 << 30,
@@ -425,40 +324,20 @@ def load(run_dir: str | os.PathLike, step: int | None = None, mesh=None, *,
             raise FileNotFoundError(f'no committed checkpoint in {ckpt.directory}')
         meta = ckpt.read_meta(step)
         prefix = f'{what}/' if what else ''
-        if mesh is None:
-            target = _single_device_target(ckpt, step, lambda k: k.startswith(prefix))
+        if target is None:
+            wanted = _single_device_target(ckpt, step, lambda k: k.startswith(prefix))
         else:
-            target = {k: v for k, v in _mesh_target(meta, mesh).items() if k.startswith(prefix)}
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        arrays = _quiet(lambda: ocp.PyTreeCheckpointer().restore(
+            wanted = {k: v for k, v in target(meta).items() if k.startswith(prefix)}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(wanted)
+        arrays = quiet(lambda: ocp.PyTreeCheckpointer().restore(
             ckpt.step_dir(step) / STATE_ITEM,
-            args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+            args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
                                         partial_restore=True)))
     expected = meta.get('fingerprint', {})
     bad = [k for k, v in fingerprint(arrays).items() if k in expected and expected[k] != v]
     if bad:
         raise Damaged(step, f'{bad[0]} does not match its fingerprint')
-    nested: dict = {}
-    for key, x in arrays.items():
-        *parents, leaf = key[len(prefix):].split('/')
-        node = nested
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = x
-    return nested, meta
-
-
-def _mesh_target(meta: dict, mesh) -> dict:
-    """Restore target with the shardings the checkpoint's own config gives on `mesh`."""
-    from . import config as config_lib
-    from .sharding import zero_rules
-    from .step import state_shardings
-
-    sections = {**meta['config'], 'mesh': {**meta['config']['mesh'], **dict(mesh.shape)}}
-    cfg = config_lib.override(config_lib.Config(), **sections)
-    rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-    _, abstract, shardings = state_shardings(cfg, mesh, rules)
-    return flat(abstract_like(abstract, shardings)._asdict())
+    return nest({k[len(prefix):]: x for k, x in arrays.items()}), meta
 
 
 # -------------------------------------------------------------------------------------- command
@@ -469,38 +348,49 @@ def _human(n: float) -> str:
         n /= 1024
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m spmd3d.checkpoint info RUN_DIR [--verify]``."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = [a for a in argv if not a.startswith('--')]
-    flags = set(argv) - set(args)
-    if len(args) != 2 or args[0] != 'info' or not flags <= {'--verify'}:
-        print('usage: python -m spmd3d.checkpoint info RUN_DIR [--verify]', file=sys.stderr)
-        return 2
-    if not Path(args[1]).is_dir():
-        print(f'error: RUN_DIR: {args[1]} is not a directory', file=sys.stderr)
-        return 2
-    rows = info(args[1], verify='--verify' in flags)
+COMMAND = cli.Command(
+    prog='python -m spmd3d.checkpoint',
+    usage='info RUN_DIR [--verify]',
+    description=('Lists the checkpoints of a run (RUN_DIR or RUN_DIR/checkpoints): step, whether '
+                 'complete, size, when written, mesh and ZeRO stage, key schema; --verify reads '
+                 'every array back and checks its fingerprint.'),
+    flags=(cli.Flag('--verify', help='read every complete step back and check its fingerprints'),),
+    takes_config=False,
+)
+
+
+def _info(args: cli.Args) -> int:
+    if len(args.positional) != 2 or args.positional[0] != 'info':
+        raise ConfigError('argv', f'usage: {COMMAND.prog} {COMMAND.usage}')
+    run_dir, verify = args.positional[1], bool(args.flags.get('--verify'))
+    if not Path(run_dir).is_dir():
+        raise ConfigError('RUN_DIR', f'{run_dir} is not a directory')
+    rows = info(run_dir, verify=verify)
     if not rows:
-        print(f'no checkpoints in {args[1]}')
+        print(f'no checkpoints in {run_dir}')
         return 0
     head = f"{'step':>8}  {'status':<10}  {'size':>10}  {'written':<19}  mesh (data,stage,tensor,seq)"
-    print(head + ('  verify' if '--verify' in flags else ''))
+    print(head + ('  verify' if verify else ''))
     for r in rows:
         mesh = r['mesh']
         shape = 'x'.join(str(mesh.get(a, '?')) for a in ('data', 'stage', 'tensor', 'seq')) \
             if mesh else '-'
-
         status = 'complete' if r['complete'] else 'incomplete'
         when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['written']))
         zero = f", ZeRO-{r['zero']}" if r['zero'] is not None else ''
-        line = f"{r['step']:>8}  {status:<10}  {_human(r['bytes']):>10}  {when}  {shape}{zero}"
+        schema = f", schema {r['schema']}" if r['schema'] is not None else ''
+        line = f"{r['step']:>8}  {status:<10}  {_human(r['bytes']):>10}  {when}  {shape}{zero}{schema}"
         if r.get('problem'):
             line += f"  ({r['problem']})"
         if 'verified' in r:
             line += f"  {r['verified']}"
         print(line)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m spmd3d.checkpoint info RUN_DIR [--verify]``."""
+    return cli.run(COMMAND, argv, _info)
 
 
 if __name__ == '__main__':

@@ -27,20 +27,25 @@ class ConfigError(ValueError):
         self.field = field
 
 
+def doc(default, help: str):
+    """A dataclass field with a one-line meaning, read by `field_docs` for `--help`."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 4
-    d_model: int = 256
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    d_ff: int = 768
-    vocab_size: int = 256
-    head_dim: int = 0  # 0: d_model // num_heads
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"  # master weights and optimizer state
+    num_layers: int = doc(4, "transformer blocks (the stacked [L, ...] layers)")
+    d_model: int = doc(256, "width of the residual stream")
+    num_heads: int = doc(4, "query heads per attention layer")
+    num_kv_heads: int = doc(2, "key/value heads (grouped-query attention)")
+    d_ff: int = doc(768, "hidden width of the MLP")
+    vocab_size: int = doc(256, "token ids are in [0, vocab_size)")
+    head_dim: int = doc(0, "width of one head; 0: d_model // num_heads")
+    rope_theta: float = doc(10000.0, "base of the rotary embedding frequencies")
+    norm_eps: float = doc(1e-5, "epsilon of RMSNorm")
+    init_std: float = doc(0.02, "standard deviation of the initial weights")
+    dtype: str = doc("float32", "compute dtype: float32, bfloat16 or float16")
+    param_dtype: str = doc("float32", "dtype of the master weights and optimizer state")
 
     @property
     def dim_per_head(self) -> int:
@@ -49,17 +54,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    data: int = -1  # -1: all devices left over
-    stage: int = 1
-    tensor: int = 2
-    seq: int = 1
-    # N > 0: N simulated CPU devices; -1: 8 simulated CPU devices unless an accelerator is
-    # present; 0: whatever devices JAX finds.
-    simulated_devices: int = -1
-    topology: str = "auto"  # a file in meshes/ (without .yaml); auto: by platform
+    data: int = doc(-1, "data-parallel axis size; -1: all devices left over")
+    stage: int = doc(1, "pipeline axis size (stages)")
+    tensor: int = doc(2, "tensor-parallel axis size")
+    seq: int = doc(1, "sequence axis size (ring attention)")
+    simulated_devices: int = doc(-1, "N > 0: N simulated CPUs; -1: 8 if no accelerator; "
+                                     "0: the real devices")
+    topology: str = doc("auto", "a file in meshes/ (without .yaml); auto: by platform")
     # With several hosts, tensor and seq must fit inside one host (their collectives run every
     # layer); true lets a layout put them across hosts anyway (slow, but it runs).
-    allow_cross_host: bool = False
+    allow_cross_host: bool = doc(False, "let tensor and seq span hosts")
 
     def sizes(self) -> dict[str, int]:
         return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
@@ -67,57 +71,58 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    zero_stage: int = 1
-    pipeline_repeats: int = 1
-    sequence_parallel: bool = False
-    remat: str = "none"
+    zero_stage: int = doc(1, "shard over data: optimizer state (1), + grads (2), + params (3)")
+    pipeline_repeats: int = doc(1, "circular pipeline: chunks of layers per stage")
+    sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
+    remat: str = doc("none", "none, full, or save_dots (recompute all but matmul outputs)")
     # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
     # no per-layer copies into stacked residual buffers and scheduling across layers, for
     # compile time that grows with depth -- a win for small, shallow models (see bench_small)
-    scan_layers: bool = True
+    scan_layers: bool = doc(True, "one compiled layer in a lax.scan; false: layers unrolled")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 150
-    global_batch: int = 32
-    seq_len: int = 128
-    microbatches: int = 1
-    seed: int = 0
+    steps: int = doc(150, "optimizer steps")
+    global_batch: int = doc(32, "sequences per step, over all devices")
+    seq_len: int = doc(128, "tokens per sequence")
+    microbatches: int = doc(1, "pipeline microbatches (or gradient accumulation steps)")
+    seed: int = doc(0, "seed of the initial weights and the data order")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    decay_steps: int = 0  # 0: train.steps
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    lr: float = doc(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = doc(10, "linear warm-up steps from 0 to lr")
+    decay_steps: int = doc(0, "cosine decay ends here; 0: train.steps")
+    min_lr_ratio: float = doc(0.1, "the decay ends at lr * min_lr_ratio")
+    weight_decay: float = doc(0.1, "AdamW weight decay")
+    clip_norm: float = doc(1.0, "clip the global gradient norm to this; 0: no clipping")
+    b1: float = doc(0.9, "Adam decay of the first moment")
+    b2: float = doc(0.95, "Adam decay of the second moment")
+    eps: float = doc(1e-8, "Adam epsilon")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = ""  # empty: the embedded default corpus (Python's standard library sources)
-    tokenizer: str = "bytes"
+    # The embedded corpus is Python's standard library sources: always there, nothing to download.
+    path: str = doc("", "token file, text file or directory; empty: the embedded corpus")
+    tokenizer: str = doc("bytes", "how text becomes tokens; only bytes")
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/demo"
-    log_every: int = 1
-    explain: bool = False  # print where every parameter lives
+    dir: str = doc("runs/demo", "config, metrics, checkpoints; one with checkpoints resumes")
+    log_every: int = doc(1, "print a metrics line every N steps")
+    explain: bool = doc(False, "print where every parameter lives")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 50
-    keep: int = 3
-    async_: bool = True  # spelled `async` in YAML and on the command line
-    fallback: bool = False  # a damaged newest checkpoint: resume from the previous good one
+    every: int = doc(50, "save every N steps; 0: only at the end")
+    keep: int = doc(3, "newest checkpoints kept")
+    async_: bool = doc(True, "write while training goes on")  # YAML and argv: `async` (a keyword)
+    fallback: bool = doc(False, "newest checkpoint damaged: resume from the one before")
 
 
 @dataclass(frozen=True)
@@ -125,12 +130,12 @@ class DistConfig:
     """One training job over several processes (hosts); see `dist.py`. Left at these defaults,
     the values come from the environment (SLURM, Kubernetes, JAX_*), or it is one process."""
 
-    coordinator: str = ""  # HOST:PORT where process 0 serves the coordination service
-    num_processes: int = 1
-    process_id: int = 0
+    coordinator: str = doc("", "HOST:PORT of the coordination service (process 0)")
+    num_processes: int = doc(1, "processes (hosts) in the job")
+    process_id: int = doc(0, "this process's index, in [0, num_processes)")
     # A process silent this long is declared lost and every other process stops (exit 1).
-    heartbeat_timeout_s: int = 20
-    init_timeout_s: int = 300  # how long the processes wait for each other at start-up
+    heartbeat_timeout_s: int = doc(20, "seconds of silence before a process counts as lost")
+    init_timeout_s: int = doc(300, "seconds the processes wait for each other at start-up")
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,19 @@ def to_dict(cfg) -> dict:
     return out
 
 
+def field_docs() -> list[tuple[str, str, object, str]]:
+    """(dotted YAML name, type name, default, meaning) of every field, in declaration order:
+    the table `python -m spmd3d.<command> --help` prints, so it cannot drift from the code."""
+    rows = []
+    for sec in fields(Config):
+        cls = typing.get_type_hints(Config)[sec.name]
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            rows.append((f"{sec.name}.{_yaml_name(f)}", hints[f.name].__name__, f.default,
+                         f.metadata["help"]))
+    return rows
+
+
 def _set_dotted(tree: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
     node = tree
@@ -217,21 +235,6 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
         if not isinstance(node, dict):
             raise ConfigError(dotted, "is not a section")
     node[parts[-1]] = value
-
-
-def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """Split `[CONFIG.yaml] [key=value ...] [--flags]` into (config path, overrides, flags)."""
-    path, overrides, flags = None, [], []
-    for a in argv:
-        if a.startswith("--"):
-            flags.append(a)
-        elif "=" in a:
-            overrides.append(a)
-        elif path is None:
-            path = a
-        else:
-            raise ConfigError("argv", f"unexpected argument {a!r} (expected key=value)")
-    return path, overrides, flags
 
 
 def load(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
@@ -373,3 +376,4 @@ def resolve_mesh(cfg: Config, num_devices: int) -> Config:
           f"data*stage*tensor*seq = {total} but there are {num_devices} devices")
     validate(cfg)
     return cfg
+

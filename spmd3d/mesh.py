@@ -29,13 +29,20 @@ class Topology:
     intra_node_gbps: float
     inter_node_gbps: float
     device_memory_gb: float
-    peak_tflops: dict  # per device; per host when the devices are simulated on shared cores
+    # ((dtype, TFLOP/s), ...) per device; per host when the devices are simulated on shared
+    # cores. A tuple of pairs, not a dict, so that a Topology (and a Plan holding it) hashes.
+    peak_tflops: tuple
     simulated: bool = False  # devices are XLA:CPU host devices sharing one machine's cores
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.nodes
 
     def peak_flops(self, dtype: str, num_devices: int = 1) -> float:
         """Peak FLOP/s of `num_devices` devices for a compute dtype name. Simulated CPU devices
         share the host's cores, so together they never exceed the host's peak."""
-        per = float(self.peak_tflops.get(dtype, self.peak_tflops["float32"])) * 1e12
+        peaks = dict(self.peak_tflops)
+        per = float(peaks.get(dtype, peaks["float32"])) * 1e12
         return per if self.simulated else per * num_devices
 
 
@@ -51,8 +58,8 @@ def load_topology(name: str, platform: str = "cpu") -> Topology:
         raise ConfigError("mesh.topology", f"no topology {name!r} in meshes/ (known: {known})")
     data = yaml.safe_load(path.read_text())
     try:
-        return Topology(**data)
-    except TypeError as e:
+        return Topology(**{**data, "peak_tflops": tuple(sorted(data["peak_tflops"].items()))})
+    except (TypeError, KeyError, AttributeError) as e:
         raise ConfigError("mesh.topology", f"{path.name}: {e}") from None
 
 
@@ -129,3 +136,11 @@ def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
     else:
         grid = np.asarray(devices).reshape(shape)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def abstract_mesh(sizes: dict):
+    """The mesh's shape and axis names without devices (`jax.sharding.AbstractMesh`): enough to
+    derive every sharding and to trace, for planning a layout larger than this machine."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -17,12 +17,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from .attention import causal_attention
 from .config import ModelConfig
-from . import pipeline
-from .pipeline import Schedule
-from .ring import ring_attention, ring_attention_local, zigzag_order
-from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
-                       use_param)
+from .pipeline import unroll
+from .sharding import Param, constrain, current_layout, is_param_relayout, use_param
 
 # What the backward pass may keep from the forward pass of a layer. Weights as used (cast and,
 # under ZeRO-3, all-gathered) are never kept: the backward gathers them again, so a layer's
@@ -90,65 +88,6 @@ def apply_rope(x, cos_bth, sin_bth):
     return out.astype(x.dtype)
 
 
-def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
-    """Causal GQA attention; scores and softmax in fp32. -> out[B, T, K, G, H].
-
-    Query block i only looks at key blocks 0..i: the blocks above the diagonal, entirely
-    masked, are never computed (about half the score FLOPs and memory at long T). Each query
-    block's softmax runs over its whole key prefix, so the result equals dense attention.
-    """
-    t = q_btkgh.shape[1]
-    block = max(block, t // 8)  # at most 8 query blocks: compile time grows with the count
-    n = t // block if t % block == 0 and t > block else 1
-    size, scale = t // n, q_btkgh.shape[-1] ** -0.5
-    # a key block's gradient sums over the query blocks that read it; slicing fp32 copies
-    # makes that sum fp32 (in bf16, XLA:CPU converts to fp32 and back around every add)
-    dtype = k_bskh.dtype
-    k_all, v_all = (k_bskh, v_bskh) if n == 1 else (k_bskh.astype(jnp.float32),
-                                                     v_bskh.astype(jnp.float32))
-    outs = []
-    # a split, not slices: its transpose is one concatenate, not pads and adds
-    for i, q in enumerate(jnp.split(q_btkgh, n, axis=1)):
-        k = k_all[:, : (i + 1) * size].astype(dtype)
-        v = v_all[:, : (i + 1) * size].astype(dtype)
-        s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-        mask = jnp.arange(size)[:, None] + i * size >= jnp.arange((i + 1) * size)[None, :]
-        p = jax.nn.softmax(jnp.where(mask, s * scale, -jnp.inf), axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgts,bskh->btkgh", p, v))
-    return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
-
-
-def _ring():
-    """(mesh, axis, size) of the ring the sequence is split over, or None."""
-    layout = current_layout()
-    if layout is None or layout.compute["length"] is None:
-        return None
-    mesh = layout.mesh or jax.sharding.get_abstract_mesh()
-    axis = layout.compute["length"]
-    return (mesh, axis, mesh.shape[axis]) if mesh.shape[axis] > 1 else None
-
-
-def sequence_order(seq_len: int):
-    """Global position of each place of the model's token layout: the zig-zag order when the
-    sequence is split over a ring (so causal work is balanced), else None (the identity).
-    Inputs, labels and RoPE positions all follow it, so the loss is unchanged."""
-    ring = _ring()
-    return None if ring is None else zigzag_order(seq_len, ring[2])
-
-
-def attend(q_btkgh, k_bskh, v_bskh):
-    """Causal attention: block-causal on one device, ring attention when T is split."""
-    layout = current_layout()
-    if layout is not None and layout.ring is not None:  # already per device over the ring
-        return ring_attention_local(q_btkgh, k_bskh, v_bskh, *layout.ring)
-    ring = _ring()
-    if ring is None:
-        return causal_attention(q_btkgh, k_bskh, v_bskh)
-    mesh, axis, _ = ring
-    # nested inside the pipeline's shard_map, `mesh` is the context (abstract) mesh
-    return ring_attention(q_btkgh, k_bskh, v_bskh, axis, mesh)
-
-
 def embed_lookup(table_vd, ids_bt):
     """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
 
@@ -188,7 +127,7 @@ class Attention(nnx.Module):
         self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
                           out_std, cfg.param_dtype)
 
-    def __call__(self, x_btd, cos, sin):
+    def __call__(self, x_btd, cos, sin, attend):
         # x[B_data, T, D] · w[D, K_tensor, G+2, H] -> qkv[B_data, T, K_tensor, G+2, H]
         qkv = jnp.einsum("btd,dkch->btkch", x_btd, _use(self.w_qkv, self.dtype))
         # a split (not three slices): its transpose is one concatenate, not pads and adds
@@ -199,7 +138,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        with jax.named_scope("attention"):
+        with jax.named_scope("kernel"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
             out = constrain(attend(q, k, v), ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         # row-parallel: contracting the tensor-split heads all-reduces (or reduce-scatters) y
@@ -232,25 +171,35 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_btd, cos, sin):
+    def __call__(self, x_btd, cos, sin, attend):
         # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
         # Under SP the norms run on T_res-split activations; entering attention or the MLP
         # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
         # are reduce-scattered back into the residual stream.
         res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
-        h = constrain(constrain(self.attn_norm(x_btd), res), full)
-        x = constrain(x_btd + self.attn(h, cos, sin), res)
-        h = constrain(constrain(self.mlp_norm(x), res), full)
-        return constrain(x + self.mlp(h), res)
+        with jax.named_scope("attention"):
+            h = constrain(constrain(self.attn_norm(x_btd), res), full)
+            x = constrain(x_btd + self.attn(h, cos, sin, attend), res)
+        with jax.named_scope("mlp"):
+            h = constrain(constrain(self.mlp_norm(x), res), full)
+            return constrain(x + self.mlp(h), res)
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: str = "none",
-                 schedule: Schedule | None = None, scan_layers: bool = True):
+    """The model as math, in three parts the step composes (with a pipeline or without):
+    `embed_tokens`, `layers` (the block function over stacked [L, ...] parameters) and `loss`
+    (final norm, head and cross-entropy). Calling the model runs all three, one device's way.
+
+    `layer_order` is the order the stacked blocks are stored in (storage position -> canonical
+    layer; a circular pipeline keeps each stage's chunks together). It is part of the graphdef,
+    so a model merged from stored parameters knows their order: calling it puts the layers
+    back in canonical order first instead of running them in the wrong one.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer_order: tuple | None = None):
         self.cfg = cfg
-        self.remat = remat
-        self.scan_layers = scan_layers  # false: the layer loop is unrolled when traced
-        self.schedule = schedule  # a pipeline over the stage axis, or None
+        order = None if layer_order is None else tuple(int(i) for i in layer_order)
+        self.layer_order = None if order == tuple(range(cfg.num_layers)) else order
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std, cfg.param_dtype)
 
@@ -264,63 +213,69 @@ class Transformer(nnx.Module):
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
 
-    def __call__(self, tokens_bt, positions_t=None):
-        """tokens[B, T] -> logits[B, T, V] in fp32. positions[T] (numpy for constant RoPE tables,
-        or traced) default to 0..T-1."""
-        cfg = self.cfg
-        if positions_t is None:
-            positions_t = np.arange(tokens_bt.shape[1])
+    def embed_tokens(self, tokens_bt):
+        """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype."""
         with jax.named_scope("embed"):
-            x = embed_lookup(_use(self.embed, cfg.param_dtype), tokens_bt).astype(cfg.dtype)
-            x = constrain(x, ("batch", "res_length", "embed"))
-        cos, sin = rope_tables(positions_t[None], cfg.dim_per_head, cfg.rope_theta)  # [1, T, H/2]
+            x = embed_lookup(_use(self.embed, self.cfg.param_dtype), tokens_bt)
+            return constrain(x.astype(self.cfg.dtype), ("batch", "res_length", "embed"))
 
-        graphdef, stacked = nnx.split(self.blocks)
+    def rope(self, positions_t):
+        """cos/sin [1, T, H/2] for positions[T] (numpy: constant tables)."""
+        return rope_tables(positions_t[None], self.cfg.dim_per_head, self.cfg.rope_theta)
 
-        def stage_fn(chunk, x, rope):  # a chunk of stacked layers [c, ...] applied in order
+    def layers(self, remat: str = "none", scan: bool = True, attend=causal_attention):
+        """`fn(stacked[c, ...], x, rope) -> x`: c stacked layers applied in their stacked order,
+        each under the remat policy, in a `lax.scan` (unrolled when `scan` is false)."""
+        graphdef = nnx.graphdef(self.blocks)
+
+        def run(stacked, x, rope):
             def layer(x, params):
-                return nnx.merge(graphdef, params)(x, *rope), None
+                return nnx.merge(graphdef, params)(x, *rope, attend), None
 
-            layer = jax.checkpoint(layer, policy=remat_policy(self.remat), prevent_cse=False)
-            unroll = pipeline.unroll() or not self.scan_layers
-            return jax.lax.scan(layer, x, chunk, unroll=unroll)[0]
+            layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
+            with jax.named_scope("layers"):
+                return jax.lax.scan(layer, x, stacked, unroll=unroll() or not scan)[0]
 
-        layout = current_layout()
-        if self.schedule is None or self.schedule.stages == 1 or layout is None:
-            x = stage_fn(stacked, x, (cos, sin))
-        else:
-            x = self._pipelined(stage_fn, stacked, x, (cos, sin), layout)
+        return run
 
+    def logits(self, x_btd):
+        """x[B_data, T_res, D] -> logits[B_data, T, V_tensor] in fp32."""
         with jax.named_scope("head"):
-            x = self.final_norm(x)
-            logits = jnp.einsum("btd,dv->btv", x, _use(self.head, cfg.dtype),
+            x = self.final_norm(x_btd)
+            logits = jnp.einsum("btd,dv->btv", x, _use(self.head, self.cfg.dtype),
                                 preferred_element_type=jnp.float32)
             return constrain(logits, ("batch", "length", "vocab"))
 
-    def _pipelined(self, stage_fn, stacked, x, rope, layout):
-        """Run the stack through the pipeline. Besides `stage`, the data axis (unless ZeRO-3
-        splits the weights over it: gradients are then reduced once, not per tick) and the
-        ring axis go manual inside it; inside, rules drop those axes and attention uses the
-        per-device ring directly (a nested shard_map would mix the two levels' manual axes)."""
-        mesh = layout.mesh or jax.sharding.get_abstract_mesh()
-        inner, batch_axis, seq_axis, ring = layout.compute, None, None, None
-        if not layout.params_use_batch_axis:
-            inner, batch_axis = inner.with_(batch=None), inner["batch"]
-        if _ring() is not None:
-            seq_axis = inner["length"]
-            res = inner["res_length"]
-            res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None
-            inner = inner.with_(length=None, res_length=res[0] if res else None)
-            ring = (seq_axis, mesh.shape[seq_axis])
-        grads = inner if batch_axis is not None else layout.grads  # no manual axis in them
-        # inside the pipeline's shard_map, constraints resolve against its context mesh
-        with activation_rules(inner, None, grads, ring=ring):
-            return pipeline.run(stage_fn, stacked, x, rope, self.schedule,
-                                layout.compute["layers"], mesh, batch_axis, seq_axis)
+    def loss(self, x_btd, labels_bt):
+        """(summed next-token cross-entropy in fp32, token count) of the final activations."""
+        logits_btv = self.logits(x_btd)
+        with jax.named_scope("loss"):
+            logp = jax.nn.log_softmax(logits_btv, axis=-1)
+            # a one-hot contraction keeps the vocab dim sharded (a gather would all-gather logits)
+            onehot = constrain(jax.nn.one_hot(labels_bt, logits_btv.shape[-1], dtype=logp.dtype),
+                               ("batch", "length", "vocab"))
+            nll = -jnp.sum(logp * onehot, axis=-1)
+            return jnp.sum(nll), nll.size
+
+    def canonical_blocks(self):
+        """The stacked block parameters in canonical layer order."""
+        stacked = nnx.state(self.blocks)
+        if self.layer_order is None:
+            return stacked
+        index = np.argsort(np.asarray(self.layer_order))
+        return jax.tree.map(lambda a: jnp.take(a, index, axis=0), stacked)
+
+    def __call__(self, tokens_bt, positions_t=None):
+        """tokens[B, T] -> logits[B, T, V] in fp32, the layers in canonical order on whatever
+        devices the arrays live on. positions[T] (numpy for constant RoPE tables, or traced)
+        default to 0..T-1."""
+        if positions_t is None:
+            positions_t = np.arange(tokens_bt.shape[1])
+        x = self.embed_tokens(tokens_bt)
+        x = self.layers()(self.canonical_blocks(), x, self.rope(positions_t))
+        return self.logits(x)
 
 
-def abstract_model(cfg: ModelConfig, remat: str = "none", schedule: Schedule | None = None,
-                   scan_layers: bool = True):
+def abstract_model(cfg: ModelConfig, layer_order: tuple | None = None):
     """(graphdef, State of ShapeDtypeStruct-valued Variables), without allocating anything."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(
-        cfg, nnx.Rngs(params=0), remat=remat, schedule=schedule, scan_layers=scan_layers)))
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0), layer_order)))

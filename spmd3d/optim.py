@@ -1,5 +1,10 @@
 """AdamW with linear warm-up + cosine decay and global-norm clipping (optax).
 
+The optimizer here is AdamW without its learning rate: the train step multiplies the update by
+`lr_schedule(step)` itself, from the step count in the train state. So the optimizer state is
+Adam's count and moments alone, and its checkpoint keys do not change with the schedule or with
+clipping turned on or off (`optax.adamw` would add a schedule count of its own).
+
 Weight decay applies to matrices only: a parameter is decayed when it has two or more dims
 besides the stacked `layers` dim, so norm scales (stacked or not) are never decayed.
 """
@@ -36,8 +41,10 @@ def decay_mask(params):
     return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Clipping (unless `clip_norm` is 0), Adam, decoupled weight decay: `optax.adamw` up to
+    its final scaling by -lr, which the step applies."""
     parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
-    parts.append(optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    parts += [optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+              optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask)]
     return optax.chain(*parts)

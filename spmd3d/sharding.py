@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .mesh import DATA, SEQ, STAGE, TENSOR
+from .store import flat
 
 ACTIVATION_NAMES = ("batch", "length", "res_length")  # never on a parameter
 LOGICAL_NAMES = (
@@ -101,6 +102,14 @@ class ZeroRules:
     grads: Rules
     opt: Rules
 
+    @property
+    def params_over_batch(self) -> bool:
+        """Whether stored weights are split over the batch's mesh axis (ZeRO-3)."""
+        batch = self.compute["batch"]
+        return batch is not None and any(
+            v == batch or (isinstance(v, tuple) and batch in v)
+            for k, v in self.params.table if k not in ACTIVATION_NAMES)
+
 
 def zero_rules(zero_stage: int, sequence_parallel: bool = False) -> ZeroRules:
     base = compute_rules(sequence_parallel)
@@ -154,9 +163,7 @@ def shardings_for(tree, rules: Rules, mesh):
 class Layout:
     compute: Rules  # activations, and parameters where they are used
     grads: Rules  # parameter cotangents
-    mesh: object  # a Mesh, or None for the context mesh of `jax.set_mesh`
-    params_use_batch_axis: bool = False  # ZeRO-3: stored weights are split over the batch axis
-    ring: tuple | None = None  # (axis, size) when T is already per device over a manual ring
+    mesh: object  # a Mesh, or None for the context mesh (inside a shard_map)
 
     def sharding(self, spec: P):
         return spec if self.mesh is None else NamedSharding(self.mesh, spec)
@@ -166,16 +173,11 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd3d_layout", defaul
 
 
 @contextmanager
-def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None,
-                     params: Rules | None = None, ring: tuple | None = None):
+def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None):
     """While tracing inside this block, `constrain` and `use_param` lay arrays out by `rules`
     (gradients by `grads`, default `rules`) on `mesh`. Without it both are no-ops, so the
     model also runs unsharded (one device, a notebook)."""
-    batch = None if rules is None else rules["batch"]
-    sharded = params is not None and batch is not None and any(
-        v == batch or (isinstance(v, tuple) and batch in v)
-        for k, v in params.table if k not in ACTIVATION_NAMES)
-    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh, sharded, ring))
+    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh))
     try:
         yield
     finally:
@@ -241,12 +243,11 @@ def describe(params, rules: "ZeroRules", mesh) -> list[dict]:
     """Where every parameter lives: one row per parameter with its path, global shape, logical
     names, mesh axes (compute / stored / optimizer state) and the per-device shape it stores."""
     rows = []
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    for path, var in flat:
+    for key, var in flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable)).items():
         names = var.get_metadata("axes")
         stored = NamedSharding(mesh, rules.params.spec(names))
         rows.append({
-            "param": jax.tree_util.keystr(path, simple=True, separator="/"),
+            "param": key,
             "shape": tuple(var.shape),
             "logical": names,
             "compute": tuple(rules.compute.spec(names)),

@@ -1,11 +1,13 @@
 """The train state, its shardings, and the pure train step `(state, batch) -> (state, metrics)`.
 
-Layout of one step on the mesh (B global batch, m microbatches):
-  batch tokens[B_data, T+1] -> m microbatches, scanned; gradients accumulated in fp32 under the
-  gradient rules (ZeRO-2/3: sharded over data, so each microbatch's gradient is
-  reduce-scattered, never all-reduced) -> AdamW under the optimizer rules (ZeRO-1+: each data
-  shard updates its slice) -> new parameters under the parameter rules (all-gathered back
-  where ZeRO < 3).
+The step composes the model's parts with the plan's schedule: embed -> the layer stack (one
+`lax.scan`, or the pipeline over `stage`) -> head and loss. Layout of one step on the mesh
+(B global batch, m microbatches):
+  batch tokens[B_data, T+1] -> m microbatches, scanned (or fed to the pipeline); gradients
+  accumulated in fp32 under the gradient rules (ZeRO-2/3: sharded over data, so each
+  microbatch's gradient is reduce-scattered, never all-reduced) -> AdamW under the optimizer
+  rules (ZeRO-1+: each data shard updates its slice) -> new parameters under the parameter
+  rules (all-gathered back where ZeRO < 3).
 """
 
 from __future__ import annotations
@@ -19,98 +21,123 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .config import Config
-from .model import Transformer, abstract_model, sequence_order
-from .pipeline import Schedule, layer_order, reorder_layers
+from . import attention, pipeline
+from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
-from .sharding import ZeroRules, activation_rules, constrain, shardings_for, zero_rules
+from .plan import Plan
+from .sharding import activation_rules, constrain, shardings_for
 
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
-    params: nnx.State  # fp32 master weights, canonical [L, ...] layout
-    opt_state: optax.OptState
+    params: nnx.State  # fp32 master weights, stacked layers in the plan's storage order
+    opt: optax.OptState  # Adam moments (and count), laid out like the parameters
 
 
-def schedule_of(cfg: Config) -> Schedule | None:
-    """The pipeline schedule for `mesh.stage > 1`, else None."""
-    if cfg.mesh.stage == 1:
-        return None
-    return Schedule(cfg.mesh.stage, cfg.train.microbatches, cfg.parallel.pipeline_repeats)
-
-
-def storage_order(cfg: Config) -> np.ndarray:
-    """Canonical layer index of each stored layer (see `pipeline.layer_order`)."""
-    return layer_order(cfg.model.num_layers, cfg.mesh.stage, cfg.parallel.pipeline_repeats)
-
-
-def state_shardings(cfg: Config, mesh, rules: ZeroRules | None = None):
+def state_shardings(plan: Plan):
     """(graphdef, abstract TrainState, TrainState of NamedShardings) without allocating."""
-    rules = rules or zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-    graphdef, params = abstract_model(cfg.model, cfg.parallel.remat, schedule_of(cfg),
-                                      cfg.parallel.scan_layers)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    cfg = plan.cfg
+    graphdef, params = abstract_model(cfg.model, plan.layer_order)
+    tx = make_optimizer(cfg.optim)
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
     shardings = TrainState(
-        NamedSharding(mesh, P()),
-        shardings_for(params, rules.params, mesh),
-        shardings_for(abstract.opt_state, rules.opt, mesh),
+        NamedSharding(plan.mesh, P()),
+        shardings_for(params, plan.rules.params, plan.mesh),
+        shardings_for(abstract.opt, plan.rules.opt, plan.mesh),
     )
     return graphdef, abstract, shardings
 
 
-def init_state(cfg: Config, mesh, shardings: TrainState) -> TrainState:
-    """Initial state, created directly in its shardings (nothing materialized on one device).
+def reorder(state, plan: Plan, to_canonical: bool):
+    """The stacked layers between the plan's storage order and the canonical [L, ...] order."""
+    return pipeline.reorder_layers(state, np.asarray(plan.layer_order), inverse=to_canonical)
+
+
+def init_fn(plan: Plan, shardings: TrainState):
+    """The jitted initializer: `() -> TrainState`, created directly in its shardings (nothing
+    materialized on one device).
 
     Values depend on `train.seed` and the canonical layout only: JAX's partitionable
     threefry generates the same numbers however the output is sharded, and a circular
     pipeline's storage order is a permutation applied after initialization.
     """
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    cfg = plan.cfg
+    tx = make_optimizer(cfg.optim)
 
-    @jax.jit
     def init():
-        model = Transformer(cfg.model, nnx.Rngs(params=cfg.train.seed), remat=cfg.parallel.remat)
-        params = reorder_layers(nnx.state(model), storage_order(cfg))
-        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-        return jax.lax.with_sharding_constraint(state, shardings)
+        model = Transformer(cfg.model, nnx.Rngs(params=cfg.train.seed))
+        params = reorder(nnx.state(model), plan, to_canonical=False)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-    with jax.set_mesh(mesh):
-        return jax.jit(init, out_shardings=shardings)()
+    return jax.jit(init, out_shardings=shardings)
 
 
-def loss_sum(graphdef, params, tokens_bt1):
+def init_state(plan: Plan, shardings: TrainState) -> TrainState:
+    with jax.set_mesh(plan.mesh):
+        return init_fn(plan, shardings)()
+
+
+# ---------------------------------------------------------------------------------------------
+# forward: the model's parts composed with the schedule
+
+def _pipelined_layers(plan: Plan, model: Transformer, stacked, x, rope):
+    """The stack through the pipeline. Besides `stage`, the data axis (unless ZeRO-3 splits
+    the weights over it: gradients are then reduced once, not per tick) and the ring axis go
+    manual inside it; inside, the rules drop those axes and attention runs the per-device ring
+    (a nested shard_map would mix the two levels' manual axes)."""
+    rules, par = plan.rules, plan.cfg.parallel
+    inner, batch_axis, seq_axis = rules.compute, None, None
+    if not rules.params_over_batch:
+        inner, batch_axis = inner.with_(batch=None), inner["batch"]
+    if plan.attention == "ring":
+        seq_axis = inner["length"]
+        res = inner["res_length"]
+        res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None
+        inner = inner.with_(length=None, res_length=res[0] if res else None)
+    attend = attention.select(plan.attention, seq_axis, plan.mesh, manual=True)
+    stage_fn = model.layers(par.remat, par.scan_layers, attend)
+    grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
+    # inside the pipeline's shard_map, constraints resolve against its context mesh
+    with activation_rules(inner, None, grads):
+        return pipeline.run(stage_fn, stacked, x, rope, plan.schedule, rules.compute["layers"],
+                            plan.mesh, batch_axis, seq_axis)
+
+
+def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
     inputs, labels = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-    order = sequence_order(inputs.shape[1])  # zig-zag under ring attention: a permutation
-    positions = None
-    if order is not None:
-        inputs, labels, positions = inputs[:, order], labels[:, order], np.asarray(order)
-    logits_btv = nnx.merge(graphdef, params)(inputs, positions)
-    logp = jax.nn.log_softmax(logits_btv, axis=-1)
-    # a one-hot contraction keeps the vocab dim sharded (a gather would all-gather the logits)
-    onehot = constrain(jax.nn.one_hot(labels, logits_btv.shape[-1], dtype=logp.dtype),
-                       ("batch", "length", "vocab"))
-    nll = -jnp.sum(logp * onehot, axis=-1)
-    return jnp.sum(nll), nll.size
+    positions = np.arange(inputs.shape[1])
+    if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
+        positions = np.asarray(plan.seq_order)
+        inputs, labels = inputs[:, positions], labels[:, positions]
+    model = nnx.merge(graphdef, params)
+    x, rope = model.embed_tokens(inputs), model.rope(positions)
+    stacked = nnx.state(model.blocks)  # in storage order
+    if plan.pipelined:
+        x = _pipelined_layers(plan, model, stacked, x, rope)
+    else:  # storage order is canonical without a pipeline
+        par = plan.cfg.parallel
+        attend = attention.select(plan.attention, plan.rules.compute["length"], plan.mesh)
+        x = model.layers(par.remat, par.scan_layers, attend)(stacked, x, rope)
+    return model.loss(x, labels)
 
 
-def make_grad_fn(cfg: Config, mesh, graphdef, rules: ZeroRules):
-    """`(params, tokens[B, T+1]) -> (mean loss, grads)` over `train.microbatches` microbatches
-    (accumulated here without a pipeline; with one, the pipeline takes the microbatches).
+def make_grad_fn(plan: Plan, graphdef):
+    """`(params, tokens[B, T+1]) -> (mean loss, grads)`, accumulating over `plan.accum_steps`
+    microbatches (with a pipeline, the pipeline takes the microbatches).
 
     The loss is the mean over every token of the global batch whatever the microbatching, and
     gradients leave in the gradient rules' layout (ZeRO-2/3: sharded over data).
     """
-    m = 1 if cfg.mesh.stage > 1 else cfg.train.microbatches
-    value_and_grad = jax.value_and_grad(lambda p, t: loss_sum(graphdef, p, t), has_aux=True)
+    rules, mesh, m = plan.rules, plan.mesh, plan.accum_steps
+    value_and_grad = jax.value_and_grad(lambda p, t: loss_sum(plan, graphdef, p, t), has_aux=True)
 
     def constrain_grads(g):
         return jax.lax.with_sharding_constraint(g, shardings_for(g, rules.grads, mesh))
 
     def grads_and_loss(params, tokens):
         count = tokens.shape[0] * (tokens.shape[1] - 1)
-        with activation_rules(rules.compute, mesh, rules.grads, rules.params):
+        with activation_rules(rules.compute, mesh, rules.grads):
             if m == 1:
                 (total, _), g = value_and_grad(params, tokens)
                 g = constrain_grads(g)
@@ -131,24 +158,26 @@ def make_grad_fn(cfg: Config, mesh, graphdef, rules: ZeroRules):
     return grads_and_loss
 
 
-def make_train_step(cfg: Config, mesh, graphdef, shardings: TrainState,
-                    rules: ZeroRules | None = None):
-    """The pure train step, jitted with explicit in/out shardings and the state donated."""
-    rules = rules or zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    schedule = lr_schedule(cfg.optim, cfg.train.steps)
-    grads_and_loss = make_grad_fn(cfg, mesh, graphdef, rules)
+def make_train_step(plan: Plan, graphdef, shardings: TrainState):
+    """The pure train step, jitted with explicit in/out shardings and the state donated.
+
+    The learning rate is a function of the step count held in the state, applied here: the
+    optimizer's own state is then only Adam's (count and moments), whatever the schedule."""
+    cfg, rules, mesh = plan.cfg, plan.rules, plan.mesh
+    tx = make_optimizer(cfg.optim)
+    lr_at = lr_schedule(cfg.optim, cfg.train.steps)
+    grads_and_loss = make_grad_fn(plan, graphdef)
 
     def train_step(state: TrainState, tokens):
         loss, grads = grads_and_loss(state.params, tokens)
         grad_norm = optax.tree.norm(grads)
         # ZeRO-1+: each data shard updates only its slice of the moments and the weights
         grads = jax.lax.with_sharding_constraint(grads, shardings_for(grads, rules.opt, mesh))
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        updates, opt = tx.update(grads, state.opt, state.params)
+        lr = lr_at(state.step)
+        params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        return TrainState(state.step + 1, params, opt), metrics
 
-    batch_sh = NamedSharding(mesh, rules.compute.spec(("batch", None)))
-    return jax.jit(train_step, in_shardings=(shardings, batch_sh),
+    return jax.jit(train_step, in_shardings=(shardings, plan.batch_sharding),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)

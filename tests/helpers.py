@@ -6,10 +6,9 @@ import jax
 import numpy as np
 
 from spmd3d import config
-from spmd3d.sharding import zero_rules
-from spmd3d.pipeline import reorder_layers
-from spmd3d.step import init_state, make_grad_fn, storage_order
-from spmd3d.train import flat, setup
+from spmd3d.runtime import setup
+from spmd3d.step import make_grad_fn, reorder
+from spmd3d.store import flat
 
 # 16 query heads in 8 kv groups (GQA) so that tensor = 8 still splits whole groups.
 SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=16", "model.num_kv_heads=8",
@@ -33,7 +32,7 @@ def devices_for(cfg):
 def train_losses(cfg, steps=None):
     """Per-step losses of `steps` train steps from the fresh initial state."""
     job = setup(cfg, devices_for(cfg))
-    state = init_state(job.cfg, job.mesh, job.shardings)
+    state = job.init_state()
     losses = []
     for s in range(steps or cfg.train.steps):
         state, metrics = job.step_fn(state, job.global_batch(s))
@@ -44,11 +43,9 @@ def train_losses(cfg, steps=None):
 def first_grads(cfg):
     """(loss, {param path: gradient as numpy}) at the initial parameters on step 0's batch."""
     job = setup(cfg, devices_for(cfg))
-    state = init_state(job.cfg, job.mesh, job.shardings)
-    rules = zero_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
-    loss, grads = jax.jit(make_grad_fn(job.cfg, job.mesh, job.graphdef, rules))(
-        state.params, job.global_batch(0))
-    grads = reorder_layers(grads, storage_order(job.cfg), inverse=True)  # canonical order
+    state = job.init_state()
+    loss, grads = jax.jit(make_grad_fn(job.plan, job.graphdef))(state.params, job.global_batch(0))
+    grads = reorder(grads, job.plan, to_canonical=True)
     return float(loss), {k: np.asarray(v) for k, v in flat(grads).items()}
 
 

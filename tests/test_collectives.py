@@ -14,11 +14,11 @@ from collections import Counter
 import pytest
 
 from helpers import devices_for, small_config
-from spmd3d import hlo, train
+from spmd3d import hlo, runtime
 
 
 def layer_loop_collectives(cfg):
-    job = train.setup(cfg, devices_for(cfg))
+    job = runtime.setup(cfg, devices_for(cfg))
     compiled, _ = job.compile()
     colls = hlo.collectives(compiled.as_text(), job.mesh.shape)
     activation = (cfg.train.global_batch // cfg.mesh.data) * cfg.train.seq_len * cfg.model.d_model * 4
@@ -80,7 +80,7 @@ def test_unrolled_layers_run_the_same_tensor_collectives_without_a_loop():
     layer's own, L times over, instead of one loop body run L times)."""
     def compiled(scan):
         cfg = small_config(data=2, tensor=4, extra=(f"parallel.scan_layers={scan}",))
-        job = train.setup(cfg, devices_for(cfg))
+        job = runtime.setup(cfg, devices_for(cfg))
         text = job.compile()[0].as_text()
         return text, hlo.collectives(text, job.mesh.shape)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spmd3d import cli
 from spmd3d import config as config_lib
 from spmd3d import train as train_lib
 from spmd3d.config import Config, ConfigError
@@ -99,10 +100,10 @@ def test_every_config_file_loads(path):
 
 
 def test_parse_args():
-    assert config_lib.parse_args(["c.yaml", "a.b=1", "--explain"]) == ("c.yaml", ["a.b=1"], ["--explain"])
-    assert config_lib.parse_args([]) == (None, [], [])
+    assert cli.parse_args(["c.yaml", "a.b=1", "--explain"]) == ("c.yaml", ["a.b=1"], ["--explain"])
+    assert cli.parse_args([]) == (None, [], [])
     with pytest.raises(ConfigError) as e:
-        config_lib.parse_args(["c.yaml", "stray"])
+        cli.parse_args(["c.yaml", "stray"])
     assert e.value.field == "argv"
 
 

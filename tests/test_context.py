@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 
 from helpers import (assert_grads_match, assert_losses_match, devices_for, reference_run,
                      small_config)
-from spmd3d import hlo, pipeline, train
+from spmd3d import hlo, pipeline, runtime
 from spmd3d.ring import _block_fwd, ring_attention
 
 L4 = ["model.num_layers=4"]
@@ -54,7 +54,7 @@ def test_activation_memory_falls_with_the_ring():
     temp = {}
     for n in (1, 2, 4, 8):
         c = small_config(seq=n, extra=LONG)
-        temp[n] = hlo.memory(train.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
+        temp[n] = hlo.memory(runtime.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
     for n in (2, 4, 8):
         assert temp[n] <= temp[1] / n, temp
 

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import (assert_grads_match, assert_losses_match, devices_for, reference_run,
                      small_config)
-from spmd3d import hlo, pipeline, train
+from spmd3d import hlo, pipeline, runtime
 from spmd3d.pipeline import Schedule, layer_order
 
 L4 = ["model.num_layers=4"]
@@ -54,7 +54,7 @@ def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
 
 def per_device_flops(**kw):
     c = cfg(**kw)
-    job = train.setup(c, devices_for(c))
+    job = runtime.setup(c, devices_for(c))
     with pipeline.unrolled_loops():  # cost analysis counts a loop body once
         compiled, _ = job.compile()
     analysis = compiled.cost_analysis()
@@ -84,7 +84,7 @@ def test_bubble_flops_match_the_schedule(unpipelined_flops, p, m, v):
 def test_parameter_bytes_drop_by_stage_count():
     def job_for(stage):
         c = cfg(data=2, stage=stage, micro=4)
-        return train.setup(c, devices_for(c))
+        return runtime.setup(c, devices_for(c))
 
     one, four = job_for(1), job_for(4)
     blocks = lambda j: [(a, s) for a, s in zip(jax.tree.leaves(j.abstract.params["blocks"]),
@@ -99,7 +99,7 @@ def test_parameter_bytes_drop_by_stage_count():
 
 def test_gradients_reduced_over_data_once_per_step_not_per_tick():
     c = cfg(**LAYOUTS["dp4_pp2"])
-    job = train.setup(c, devices_for(c))
+    job = runtime.setup(c, devices_for(c))
     colls = hlo.collectives(job.compile()[0].as_text(), job.mesh.shape)
     over_data = [x for x in colls if "data" in x.axes]
     assert over_data and all(x.trips == 1 for x in over_data), over_data
@@ -107,3 +107,25 @@ def test_gradients_reduced_over_data_once_per_step_not_per_tick():
     shifts = [x for x in colls if x.kind == "collective-permute"]
     assert {x.axes for x in shifts} == {("stage",)}
     assert sum(x.trips for x in shifts) == 2 * Schedule(2, 2).ticks
+
+
+def test_model_called_on_stored_layers_runs_them_in_canonical_order():
+    """A circular pipeline stores layers permuted. A model merged from those stored parameters
+    outside the step knows their order (it is in the graphdef) and still gives the logits of
+    the canonical model; ignoring the order would give others."""
+    from flax import nnx
+
+    from spmd3d.model import Transformer
+
+    c = cfg(data=2, stage=2, tensor=2, micro=2, extra=["parallel.pipeline_repeats=2"])
+    job = runtime.setup(c, devices_for(c))
+    assert job.plan.layer_order == (0, 2, 1, 3)
+    stored = jax.device_get(job.init_state().params)
+    tokens = np.asarray(job.global_batch(0))[:2, :-1]
+    logits = np.asarray(nnx.merge(job.graphdef, stored)(tokens))
+    canonical = nnx.state(Transformer(job.cfg.model, nnx.Rngs(params=job.cfg.train.seed)))
+    want = np.asarray(nnx.merge(nnx.graphdef(Transformer(job.cfg.model, nnx.Rngs(params=0))),
+                                canonical)(tokens))
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    unaware = nnx.merge(nnx.graphdef(Transformer(job.cfg.model, nnx.Rngs(params=0))), stored)
+    assert np.max(np.abs(np.asarray(unaware(tokens)) - want)) > 1e-3

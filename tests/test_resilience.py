@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from helpers import SMALL, devices_for, max_rel_diff, small_config, train_losses
+import spmd3d
 from spmd3d import config
 from spmd3d.checkpoint import TMP_MARK, info, load
 from spmd3d.train import main, train
@@ -251,15 +252,30 @@ def test_load_params_for_a_notebook(tmp_path):
     train(cfg, devices=devices_for(cfg))
     params, meta = load(run)
     assert meta["step"] == 2 and meta["mesh"]["tensor"] == 4
-    w = params["blocks"]["mlp"]["w_down"]["value"]
+    w = params["blocks"]["mlp"]["w_down"]
     assert w.shape == (4, 256, 128) and len(w.sharding.device_set) == 1
 
     mesh = jax.make_mesh((1, 1, 2, 1), ("data", "stage", "tensor", "seq"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:2])
-    sharded, _ = load(run, mesh=mesh)
-    ws = sharded["blocks"]["mlp"]["w_down"]["value"]
+    sharded, _ = spmd3d.load(run, mesh=mesh)
+    ws = sharded["blocks"]["mlp"]["w_down"]
     assert ws.sharding.mesh.shape["tensor"] == 2
     assert ws.addressable_shards[0].data.shape == (4, 128, 128)  # [layers, mlp/2, embed]
     np.testing.assert_array_equal(np.asarray(ws), np.asarray(w))
-    moments, _ = load(run, what="opt_state")
+    moments, _ = load(run, what="opt")
     assert "params" not in moments and len(jax.tree.leaves(moments)) > 0
+
+
+def test_checkpoint_of_an_older_key_schema_exits_2_and_is_kept(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = SMALL + ["mesh.data=8", "mesh.tensor=1", f"run.dir={run}"]
+    assert main(argv + ["train.steps=1"]) == 0
+    meta_file = run / "checkpoints" / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta["schema"] == 2
+    meta_file.write_text(json.dumps({**meta, "schema": 1}))
+    before = tree_digest(run / "checkpoints")
+    line = exit_line(argv + ["train.steps=2"], capsys)
+    assert line.startswith("error: checkpoint: ") and "has key schema 1" in line, line
+    assert "reads schema 2" in line
+    assert tree_digest(run / "checkpoints") == before

@@ -68,3 +68,18 @@ def test_circular_pipeline_checkpoint_is_canonical(tmp_path):
     got = np.array([r["loss"] for r in more])
     want = np.array([r["loss"] for r in ref[2:]])
     assert np.max(np.abs(got - want) / want) < 1e-4, (got, want)
+
+
+def test_clip_norm_toggles_across_a_resume(tmp_path):
+    """Clipping on or off changes the optax chain, not the checkpoint's keys: a run resumes
+    across the switch, both ways, from exactly the parameters it saved."""
+    clip = ["optim.clip_norm=1.0"]
+    ref = train(cfg_in(tmp_path / "ref", "train.steps=3", "mesh.data=8", *clip))
+    run = tmp_path / "run"
+    train(cfg_in(run, "train.steps=2", "mesh.data=8", *clip))
+    off = train(cfg_in(run, "train.steps=3", "mesh.data=8", "optim.clip_norm=0"))
+    # step 3's loss is computed before its update: the restored parameters alone decide it
+    assert [r["step"] for r in off] == [3]
+    assert abs(off[0]["loss"] - ref[2]["loss"]) <= 1e-6 * ref[2]["loss"], (off, ref)
+    on = train(cfg_in(run, "train.steps=4", "mesh.data=8", *clip))
+    assert [r["step"] for r in on] == [4] and np.isfinite(on[0]["loss"])

@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import devices_for, small_config
-from spmd3d import hlo, train
-from spmd3d.checkpoint import abstract_like
-from spmd3d.sharding import zero_rules
-from spmd3d.step import init_state, make_grad_fn, shardings_for
+from spmd3d import hlo, runtime
+from spmd3d.sharding import shardings_for
+from spmd3d.step import make_grad_fn
+from spmd3d.store import abstract_like, flat
 
 DATA = 8
 
@@ -34,11 +34,10 @@ def compiled():
     out = {}
     for z in range(4):
         cfg = small_config(data=DATA, zero=z)
-        job = train.setup(cfg, devices_for(cfg))
+        job = runtime.setup(cfg, devices_for(cfg))
         step, _ = job.compile()
-        rules = zero_rules(z)
-        grad_sh = shardings_for(job.abstract.params, rules.grads, job.mesh)
-        grad_fn = jax.jit(make_grad_fn(job.cfg, job.mesh, job.graphdef, rules),
+        grad_sh = shardings_for(job.abstract.params, job.plan.rules.grads, job.mesh)
+        grad_fn = jax.jit(make_grad_fn(job.plan, job.graphdef),
                           out_shardings=(NamedSharding(job.mesh, P()), grad_sh))
         batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), np.int32,
                                      sharding=job.batch_sharding)
@@ -59,11 +58,11 @@ def param_bytes(job):
 def test_optimizer_state_sharded_by_zero1(compiled):
     job0, mem0, _ = compiled[0]
     job1, mem1, _ = compiled[1]
-    full = local_bytes(job0.abstract.opt_state, job0.shardings.opt_state)
+    full = local_bytes(job0.abstract.opt, job0.shardings.opt)
     s, w = param_bytes(job0)
     moments = 2 * s  # Adam's two moments of the sharded parameters
     assert full >= 2 * (s + w)
-    assert local_bytes(job1.abstract.opt_state, job1.shardings.opt_state) == full - moments + moments // DATA
+    assert local_bytes(job1.abstract.opt, job1.shardings.opt) == full - moments + moments // DATA
     # the compiled step's arguments shrink by exactly the moments' 7/8
     assert mem0["argument_bytes"] - mem1["argument_bytes"] == moments - moments // DATA
 
@@ -109,10 +108,9 @@ def test_zero3_gathers_weights_layer_by_layer(compiled):
 def test_initialized_state_lives_where_the_rules_say(zero):
     """Walk the initialized state: every leaf's sharding is the one its logical names give."""
     cfg = small_config(data=2, tensor=4, zero=zero)
-    job = train.setup(cfg, devices_for(cfg))
-    state = init_state(job.cfg, job.mesh, job.shardings)
-    rules = zero_rules(zero)
-    expected = shardings_for(job.abstract.params, rules.params, job.mesh)
+    job = runtime.setup(cfg, devices_for(cfg))
+    state = job.init_state()
+    expected = shardings_for(job.abstract.params, job.plan.rules.params, job.mesh)
     for (path, arr), want in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
                                  jax.tree.leaves(expected)):
         assert arr.sharding.is_equivalent_to(want, arr.ndim), (path, arr.sharding, want)
@@ -120,5 +118,5 @@ def test_initialized_state_lives_where_the_rules_say(zero):
     w_qkv = state.params["blocks"]["attn"]["w_qkv"][...]
     assert w_qkv.sharding.spec[2] == "tensor"  # kv heads over tensor
     assert (w_qkv.sharding.spec[1] == "data") == (zero == 3)  # embed over data only in ZeRO-3
-    mu = state.opt_state[1][0].mu["blocks"]["mlp"]["w_down"][...]
+    mu = flat(state)["opt/mu/blocks/mlp/w_down"]
     assert mu.sharding.spec == P("stage", "tensor", "data" if zero >= 1 else None)

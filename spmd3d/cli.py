@@ -1,0 +1,164 @@
+"""The command line of every `python -m spmd3d.*` command: one parser, one `--help`, one error path.
+
+An entry point declares a `Command` (its flags, each with a line of help) and ends in
+`run(COMMAND, argv, body)`. Config commands take `[CONFIG.yaml] [key=value ...]`, and their
+`--help` lists every config field from `config.field_docs()`, so the help cannot drift from the
+dataclasses. Every user mistake is a `ConfigError`/`DataError` and becomes one `error:` line and
+exit status 2. This module imports only the standard library, `config` and `data`: `--help` and
+bad arguments must answer at once, and the device count must be settable before jax starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import config as config_lib
+from .config import ConfigError
+from .data import DataError
+
+KINDS = ("switch", "int", "str")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """`--name` (a switch: True when given) or `--name=VALUE` (int or str); an int < minimum is
+    an error."""
+
+    name: str
+    kind: str = "switch"
+    help: str = ""
+    minimum: int | None = None
+
+    def __post_init__(self):
+        if not self.name.startswith("--") or self.kind not in KINDS:
+            raise ValueError(f"bad flag {self!r}: name starts with --, kind is one of {KINDS}")
+
+    @property
+    def spelling(self) -> str:
+        return self.name + {"switch": "", "int": "=N", "str": "=VALUE"}[self.kind]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `python -m spmd3d.X` command. `usage` is what follows `prog`; `takes_config` picks
+    `[CONFIG.yaml] [key=value ...]` (True) or plain positional arguments (False)."""
+
+    prog: str
+    usage: str
+    description: str
+    flags: tuple[Flag, ...] = ()
+    takes_config: bool = True
+
+
+@dataclass
+class Args:
+    """A parsed command line; `flags` maps a flag's name to True (switch) or its int/str value."""
+
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    flags: dict[str, object] = field(default_factory=dict)
+    positional: list[str] = field(default_factory=list)
+
+
+def _is_flag(arg: str) -> bool:
+    return arg.startswith("-") and arg != "-"
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """Split `[CONFIG.yaml] [key=value ...] [--flags]` into (config path, overrides, raw flags)."""
+    path, overrides, flags = None, [], []
+    for a in argv:
+        if _is_flag(a):
+            flags.append(a)
+        elif "=" in a:
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError("argv", f"unexpected argument {a!r} (expected key=value)")
+    return path, overrides, flags
+
+
+def _known(command: Command) -> str:
+    return ", ".join(f.spelling for f in command.flags) or "none"
+
+
+def _flag_value(command: Command, arg: str) -> tuple[str, object]:
+    name, eq, raw = arg.partition("=")
+    flag = next((f for f in command.flags if f.name == name), None)
+    if flag is None:
+        raise ConfigError("argv", f"unknown flag {name} (known: {_known(command)})")
+    if flag.kind == "switch":
+        if eq:
+            raise ConfigError("argv", f"{name} is a switch and takes no value, got {arg!r}")
+        return name, True
+    if not raw:
+        raise ConfigError("argv", f"{name} needs a value: {flag.spelling}")
+    if flag.kind == "str":
+        return name, raw
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError("argv", f"{name} needs an integer, got {raw!r}") from None
+    if flag.minimum is not None and value < flag.minimum:
+        raise ConfigError("argv", f"{name} must be >= {flag.minimum}, got {value}")
+    return name, value
+
+
+def parse(command: Command, argv: list[str]) -> Args:
+    """argv -> Args, every flag checked against `command.flags`; raises ConfigError('argv', ...)."""
+    rest = [a for a in argv if not _is_flag(a)]
+    flags = dict(_flag_value(command, a) for a in argv if _is_flag(a))
+    if not command.takes_config:
+        return Args(flags=flags, positional=rest)
+    path, overrides, _ = parse_args(rest)
+    return Args(path, overrides, flags)
+
+
+def _show(value) -> str:
+    """A default as it is written after `key=`: YAML's true/false, and "" for the empty string."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return '""' if value == "" else str(value)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def help_text(command: Command) -> str:
+    """Usage, description, flags and (for config commands) every config field with its default."""
+    lines = [f"usage: {command.prog} {command.usage}", "",
+             textwrap.fill(command.description, 100), "", "flags:"]
+    lines += _columns([(f.spelling, f.help) for f in command.flags]
+                      + [("-h, --help", "print this help and exit")])
+    if command.takes_config:
+        lines += ["", "config fields (CONFIG.yaml sets them; key=value overrides any of them, "
+                      "e.g. train.steps=20):"]
+        lines += _columns([(name, typ, _show(default), meaning)
+                           for name, typ, default, meaning in config_lib.field_docs()])
+    return "\n".join(lines)
+
+
+def run(command: Command, argv: list[str] | None, body: Callable[[Args], int | None]) -> int:
+    """The whole `main` of a command: `--help`/`-h` prints help (exit 0) before anything else;
+    otherwise `body(parse(...))` whose int (None: 0) is the exit status. A ConfigError or
+    DataError becomes one line, `error: <field>: <message>`, on stderr and exit status 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        try:
+            print(help_text(command), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; so does the help
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    try:
+        status = body(parse(command, argv))
+    except (ConfigError, DataError) as e:
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 2
+    return 0 if status is None else int(status)

@@ -1,0 +1,126 @@
+"""The plan: every decision a run derives from its config, made once.
+
+`Plan.resolve(cfg, devices)` for a run, or `Plan.resolve(cfg, topology=...)` with no devices at
+all (planning a 1024-device layout on a laptop: the mesh is then a `jax.sharding.AbstractMesh`,
+enough to derive every sharding and to trace). The plan holds the config with `mesh.data`
+resolved, the mesh, the topology, the ZeRO rule tables, the pipeline schedule (None without a
+pipeline), the gradient-accumulation steps, the order the stacked layers are stored in, the
+order of the sequence's positions and the attention kernel. State, step, model wiring,
+checkpoint targets, bench and the API take a plan; none re-derives these from the raw config.
+Frozen and hashable, so it can key caches of compiled functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import Config, ConfigError, resolve_mesh
+from .mesh import AXES, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
+from .pipeline import Schedule, layer_order
+from .ring import zigzag_order
+from .sharding import ZeroRules, zero_rules
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: Config  # `mesh.data` resolved
+    mesh: object  # jax.sharding.Mesh, or AbstractMesh when planned without devices
+    topology: Topology
+    rules: ZeroRules
+    schedule: Schedule | None  # the pipeline over `stage`, or None
+    accum_steps: int  # microbatches accumulated one after another (1 with a pipeline)
+    layer_order: tuple  # storage position -> canonical layer index
+    seq_order: tuple | None  # global position at each place of the token layout (zig-zag)
+    attention: str  # an `attention.KINDS` name
+
+    @classmethod
+    def resolve(cls, cfg: Config, devices=None, *, topology: str | Topology | None = None) -> "Plan":
+        """The plan of `cfg` on `devices` (default: all of JAX's), or, given only a
+        `topology` (a name in meshes/ or a Topology), on that cluster without any device."""
+        if devices is None and topology is None:
+            import jax
+
+            devices = jax.devices()
+        if devices is not None:
+            devices = list(devices)
+            cfg = resolve_mesh(cfg, len(devices))
+            topo = topology if isinstance(topology, Topology) else load_topology(
+                topology or cfg.mesh.topology, devices[0].platform)
+            mesh = make_mesh(cfg.mesh.sizes(), devices, cfg.mesh.allow_cross_host)
+        else:
+            topo = topology if isinstance(topology, Topology) else load_topology(topology, "gpu")
+            sizes = cfg.mesh.sizes()
+            fixed = sizes["stage"] * sizes["tensor"] * sizes["seq"]
+            cfg = resolve_mesh(cfg, topo.num_devices if sizes["data"] == -1 else fixed * sizes["data"])
+            total, per_node = int(np.prod(list(cfg.mesh.sizes().values()))), topo.devices_per_node
+            if total > per_node:  # a layout over several nodes keeps tensor and seq inside one
+                if total % per_node:
+                    raise ConfigError("mesh", f"{total} devices are not whole nodes of {per_node}")
+                split_over_hosts(cfg.mesh.sizes(), per_node, total // per_node,
+                                 cfg.mesh.allow_cross_host)
+            mesh = abstract_mesh(cfg.mesh.sizes())
+        return cls.of(cfg, mesh, topo)
+
+    @classmethod
+    def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
+        """The decisions for a resolved config on a given mesh."""
+        m, par, tr = cfg.mesh, cfg.parallel, cfg.train
+        schedule = Schedule(m.stage, tr.microbatches, par.pipeline_repeats) if m.stage > 1 else None
+        return cls(
+            cfg=cfg, mesh=mesh, topology=topology,
+            rules=zero_rules(par.zero_stage, par.sequence_parallel),
+            schedule=schedule,
+            accum_steps=1 if schedule else tr.microbatches,
+            layer_order=tuple(int(i) for i in layer_order(cfg.model.num_layers, m.stage,
+                                                          par.pipeline_repeats)),
+            seq_order=tuple(int(i) for i in zigzag_order(tr.seq_len, m.seq)) if m.seq > 1 else None,
+            attention="ring" if m.seq > 1 else "blocked",
+        )
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def canonical_layers(self) -> bool:
+        """Whether the stored layer order is the canonical one (no circular pipeline)."""
+        return self.layer_order == tuple(range(len(self.layer_order)))
+
+    @property
+    def num_devices(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in AXES]))
+
+    def sharding(self, names):
+        """The NamedSharding of an activation with logical `names` under the compute rules."""
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, self.rules.compute.spec(names))
+
+    @property
+    def batch_sharding(self):
+        """tokens[B, T+1]: rows over the batch axis."""
+        return self.sharding(("batch", None))
+
+    def param_specs(self) -> dict:
+        """{parameter key: PartitionSpec as stored}, from the parameters' logical names."""
+        from flax import nnx
+
+        from .model import abstract_model
+        from .store import flat
+
+        _, params = abstract_model(self.cfg.model, self.layer_order)
+        variables = flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return {k: self.rules.params.spec(v.get_metadata("axes")) for k, v in variables.items()}
+
+    def describe(self) -> str:
+        """The layout in a few lines: mesh, ZeRO, SP, remat and the pipeline schedule."""
+        cfg, par = self.cfg, self.cfg.parallel
+        lines = [f"mesh {dict(self.mesh.shape)}, ZeRO-{par.zero_stage}, "
+                 f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"]
+        if self.schedule:
+            lines.append(self.schedule.describe(cfg.model.num_layers))
+        elif self.accum_steps > 1:
+            lines.append(f"gradient accumulation over {self.accum_steps} microbatches")
+        return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""The plan: resolved once, the same with devices or from a topology alone, hashable."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from helpers import devices_for, small_config
+from spmd3d import config
+from spmd3d.mesh import load_topology
+from spmd3d.pipeline import Schedule
+from spmd3d.plan import Plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# a circular pipeline over a ring with tensor and ZeRO-3: every decision the plan makes differs
+# from its default
+LAYOUT = dict(stage=2, tensor=2, seq=2, zero=3, sp=True, micro=4,
+              extra=["model.num_layers=4", "parallel.pipeline_repeats=2"])
+
+
+def decisions(plan: Plan) -> dict:
+    return {"rules": plan.rules, "schedule": plan.schedule, "accum": plan.accum_steps,
+            "layers": plan.layer_order, "seq": plan.seq_order, "attention": plan.attention,
+            "specs": plan.param_specs(), "cfg": plan.cfg, "mesh": dict(plan.mesh.shape)}
+
+
+def test_plan_from_a_topology_equals_the_plan_on_devices():
+    cfg = small_config(**LAYOUT)
+    on_devices = Plan.resolve(cfg, devices_for(cfg))
+    planned = Plan.resolve(cfg, topology=on_devices.topology)
+    assert isinstance(on_devices.mesh, jax.sharding.Mesh)
+    assert isinstance(planned.mesh, jax.sharding.AbstractMesh)
+    assert decisions(planned) == decisions(on_devices)
+    # what the plan decided, spelled out
+    assert on_devices.schedule == Schedule(2, 4, 2) and on_devices.accum_steps == 1
+    assert on_devices.layer_order == (0, 2, 1, 3) and on_devices.attention == "ring"
+    assert on_devices.seq_order[:8] == tuple(range(8))  # chunk 0 of 4, then chunk 3
+    assert on_devices.seq_order[8:16] == tuple(range(24, 32))
+    assert planned.param_specs()["blocks/mlp/w_down"] == jax.sharding.PartitionSpec(
+        "stage", "tensor", "data")
+    # frozen and hashable: a plan can key a cache of compiled functions
+    assert hash(planned) == hash(Plan.resolve(cfg, topology=on_devices.topology))
+
+
+def test_plan_without_a_pipeline_accumulates():
+    plan = Plan.resolve(small_config(data=4, tensor=2, micro=2), devices_for(small_config(data=4, tensor=2)))
+    assert plan.schedule is None and not plan.pipelined and plan.accum_steps == 2
+    assert plan.canonical_layers and plan.seq_order is None and plan.attention == "blocked"
+
+
+def test_a_plan_checks_the_layout_against_the_cluster():
+    topology = load_topology("dgx_h100_64")
+    cfg = config.load(str(ROOT / "configs" / "gpt3_175b.yaml"), ["mesh.data=-1"])
+    assert Plan.resolve(cfg, topology=topology).cfg.mesh.data == 4  # 512 GPUs / (16 x 8)
+    wide = config.load(str(ROOT / "configs" / "gpt3_175b.yaml"),
+                       ["mesh.data=4", "mesh.tensor=16", "mesh.stage=8"])
+    with pytest.raises(config.ConfigError, match="mesh.tensor"):  # tensor 16 spans two nodes
+        Plan.resolve(wide, topology=topology)
+
+
+def test_gpt3_layout_planned_in_a_one_device_process():
+    """1024 devices of GPT-3 175B's Megatron layout, planned where JAX has one CPU device."""
+    code = (
+        "import json, jax\n"
+        "from spmd3d import config\n"
+        "from spmd3d.plan import Plan\n"
+        "cfg = config.load('configs/gpt3_175b.yaml')\n"
+        "plan = Plan.resolve(cfg, topology=cfg.mesh.topology)\n"
+        "specs = plan.param_specs()\n"
+        "print(json.dumps({'devices': len(jax.devices()), 'mesh': dict(plan.mesh.shape),\n"
+        "  'ticks': plan.schedule.ticks, 'accum': plan.accum_steps,\n"
+        "  'w_down': list(specs['blocks/mlp/w_down']), 'embed': list(specs['embed'])}))\n")
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"devices": 1, "mesh": {"data": 8, "stage": 16, "tensor": 8, "seq": 1},
+                   "ticks": 16 + 16 - 1, "accum": 1,
+                   "w_down": ["stage", "tensor", None], "embed": ["tensor", None]}

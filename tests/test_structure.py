@@ -1,0 +1,102 @@
+"""The package's shape: its import graph has no cycles and storage sits at the bottom, the command
+modules start without jax, every command answers --help, and modules stay small."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd3d import config
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "spmd3d"
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+
+
+def imports_of(module: str) -> set[str]:
+    """The spmd3d modules `module` imports anywhere in its body (inside functions too: a lazy
+    import is still a dependency)."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                out.add(node.module.split(".")[0])
+            else:
+                out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("spmd3d."):
+            out.add(node.module.split(".")[1])
+    return out & set(MODULES)
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def reachable(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_graph_is_read():
+    assert {"plan", "sharding", "pipeline"} <= GRAPH["step"]
+    assert "runtime" in GRAPH["train"] and "cli" in GRAPH["train"]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_import_cycles(module):
+    assert module not in reachable(module), f"{module} imports itself through {GRAPH[module]}"
+
+
+def test_storage_imports_nothing_above_the_config():
+    assert reachable("store") == set()
+    assert reachable("checkpoint") <= {"store", "cli", "config", "data"}
+
+
+def test_the_model_does_not_run_the_pipeline():
+    assert "step" not in reachable("model") and "plan" not in reachable("model")
+    assert not {"pipeline", "plan", "step"} & GRAPH["model"] - {"pipeline"}
+    model_src = (PACKAGE / "model.py").read_text()
+    assert "pipeline.run" not in model_src and "shard_map(lookup" in model_src
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_command_modules_import_without_jax():
+    code = ("import sys\nimport spmd3d.train, spmd3d.bench, spmd3d.cli, spmd3d.config\n"
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["train", "bench", "checkpoint"])
+def test_every_command_answers_help(command):
+    out = subprocess.run([sys.executable, "-m", f"spmd3d.{command}", "--help"], env=clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    assert out.stdout.startswith(f"usage: python -m spmd3d.{command} ")
+    if command == "checkpoint":
+        assert "info RUN_DIR" in out.stdout and "--verify" in out.stdout
+        return
+    lines = out.stdout.splitlines()
+    for name, typ, default, meaning in config.field_docs():
+        row = [line for line in lines if line.split()[:1] == [name]]
+        assert len(row) == 1, name
+        assert typ in row[0].split() and meaning in row[0], row[0]
+
+
+def test_modules_stay_small():
+    sizes = {m: len((PACKAGE / f"{m}.py").read_text().splitlines()) for m in MODULES}
+    assert max(sizes.values()) <= 410, sizes
