@@ -52,9 +52,10 @@ COMMAND = cli.Command(
 def measure_bubble(cfg: Config) -> dict:
     """Measured vs theoretical FLOP overhead of the pipeline schedule of `cfg`.
 
-    Per-device FLOPs of the layer stack, pipelined and times p, over those of the same step
-    without a pipeline (on the devices of one stage); what lies outside the layer stack
-    (embedding, head, optimizer) is measured with half the layers and subtracted.
+    Per-device FLOPs of L layers under the pipeline, times p, over those of the same L layers
+    without a pipeline (on the devices of one stage); each is the step with 2L layers less the
+    step with L, so what does not depend on the depth (embedding, head, loss, optimizer)
+    cancels.
     """
     import jax
 
@@ -74,14 +75,16 @@ def measure_bubble(cfg: Config) -> dict:
             analysis = job.compile()[0].cost_analysis()
         return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
-    base = config_lib.override(cfg, mesh={"stage": 1}, parallel={"pipeline_repeats": 1},
-                               train={"microbatches": 1})
-    full = flops(base)
-    half = flops(config_lib.override(base, model={"num_layers": cfg.model.num_layers // 2}))
-    outside = 2 * half - full
-    measured = (flops(cfg) - outside) * p / (full - outside)
-    return {"p": p, "m": m, "v": v, "measured": measured,
-            "theory": schedule.ticks / (v * m)}
+    def stack(c):
+        deeper = config_lib.override(c, model={"num_layers": 2 * c.model.num_layers})
+        return flops(deeper) - flops(c)
+
+    # a circular pipeline recomputes each stage in the backward: so does the baseline then
+    remat = "stage" if v > 1 and cfg.parallel.remat == "none" else cfg.parallel.remat
+    base = config_lib.override(cfg, mesh={"stage": 1}, train={"microbatches": 1},
+                               parallel={"pipeline_repeats": 1, "remat": remat})
+    measured = stack(cfg) * p / stack(base)
+    return {"p": p, "m": m, "v": v, "measured": measured, "theory": schedule.ticks / (v * m)}
 
 
 def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 
 
 class ConfigError(ValueError):
@@ -74,7 +74,8 @@ class ParallelConfig:
     zero_stage: int = doc(1, "shard over data: optimizer state (1), + grads (2), + params (3)")
     pipeline_repeats: int = doc(1, "circular pipeline: chunks of layers per stage")
     sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
-    remat: str = doc("none", "none, full, or save_dots (recompute all but matmul outputs)")
+    remat: str = doc("none", "none, full, save_dots (keep matmul outputs), or stage (keep "
+                             "only each stage's input)")
     # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
     # no per-layer copies into stacked residual buffers and scheduling across layers, for
     # compile time that grows with depth -- a win for small, shallow models (see bench_small)

@@ -91,54 +91,136 @@ def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def run(stage_fn, stacked, x, consts, schedule: Schedule, axis: str, mesh, batch_axis=None,
-        seq_axis=None):
-    """Apply all layers to x[B, ...] through the pipeline (storage-ordered `stacked` [L, ...]).
+def _varying(x) -> frozenset:
+    """The manual axes a traced value varies over (inside a shard_map)."""
+    vma = getattr(x, "manual_axis_type", None)
+    return frozenset(vma.varying) if vma is not None else frozenset(getattr(x, "vma", ()))
+
+
+def _vary(x, axes):
+    """`x` cast to varying over `axes` (those it does not vary over already)."""
+    todo = tuple(a for a in axes if a not in _varying(jax.typeof(x)))
+    return jax.lax.pcast(x, todo, to="varying") if todo else x
+
+
+def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, stage, last,
+        batch_axis=None, seq_axis=None, stage_remat: bool = False):
+    """The summed `last` of every microbatch of `xs`, each carried through all layers by the
+    pipeline: the training forward pass, whose autodiff is the backward pipeline.
+
+    `blocks`: the stacked layer parameters in storage order ([L, ...] leaves); `io`: the
+    parameters of `first` and `last` (the embedding, head and final norm), whole on every stage;
+    `xs`: per-example arrays [B, ...] (tokens and labels), cut into m microbatches (microbatch
+    j holds rows j, j+m, ...: each data shard keeps its own rows); `consts`: [1, T, ...] arrays
+    (RoPE tables). Stage 0 computes `first(blocks, io, xs_mb) -> x` (the embedding) for each
+    microbatch the tick it enters; every stage applies `stage(chunk, x, consts) -> x` to its
+    chunk of layers; the last stage computes `last(blocks, io, x, xs_mb) -> scalar` (head and
+    loss) the tick a microbatch leaves its last repeat. So no [m, mb, T, D] buffer of
+    activations exists (but the wrap-around slots of a circular pipeline), and one
+    microbatch's logits are alive at a time. (`blocks` reach `first` and `last` as this
+    stage's local chunks, so that a caller can rebuild its module from `blocks` and `io`.)
 
     Per-device view inside a shard_map manual over `axis` (the stage axis) and, if given,
     `batch_axis` (the data axis, when the weights are not sharded over it) and `seq_axis` (the
     ring axis, when T is split); other mesh axes stay automatic, so tensor sharding propagates
-    through unchanged. `consts` ([1, T, ...] arrays such as RoPE tables) reach `stage_fn(chunk,
-    x, consts)` with their T split like x's. With the data axis
-    manual, the weights turn data-varying once, before the tick loop: the transpose of that
-    cast is the one gradient all-reduce over data, after the backward loop, instead of one per
-    tick that XLA emits when it sees the data axis inside the loop.
+    through unchanged. With the data axis manual, the weights turn data-varying once, before
+    the tick loop: the transpose of that cast is the one gradient all-reduce over data, after
+    the backward loop, instead of one per tick that XLA emits when it sees the data axis
+    inside the loop.
+
+    What the backward keeps per tick: with one chunk per stage (v = 1) the chunk is picked
+    statically, so its weights are loop-invariant and never saved per tick. With v > 1 the
+    chunk is picked by a traced repeat index; saved, that pick would be a copy of a chunk's
+    weights per tick, so the pick and the stage are recomputed in the backward from the tick's
+    input (a stage-level checkpoint), which `stage_remat` (`parallel.remat=stage`) also asks
+    for with v = 1: then each tick keeps only its stage's input.
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     # [L, ...] -> [p, v, c, ...]: stage-major storage, so dim 0 splits over the stage axis
-    chunks = jax.tree.map(lambda a: a.reshape((p, v, a.shape[0] // (p * v)) + a.shape[1:]), stacked)
-    # microbatch j holds rows j, j+m, j+2m, ...: each data shard keeps its own rows
-    micro = x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
+    chunks = jax.tree.map(lambda a: a.reshape((p, v, a.shape[0] // (p * v)) + a.shape[1:]), blocks)
+    micro = jax.tree.map(lambda a: a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1), xs)
     ring = [(s, (s + 1) % p) for s in range(p)]
 
-    def per_stage(chunks, buf, consts):
-        # chunks[1, v, c, ...]: this stage's v chunks; buf[m, mb, ...]: stage 0's in/out slots
+    remat = jax.checkpoint_policies.nothing_saveable
+    stage_level = stage_remat or v > 1
+
+    def run_stage(chunks, inp, r, consts):
+        chunk = jax.tree.map(lambda a: a[0] if v == 1 else a[r], chunks)
+        return stage(chunk, inp, consts)
+
+    def per_stage(chunks, io, micro, consts):
+        # chunks[1, v, c, ...]: this stage's v chunks; micro[m, mb, ...]: every microbatch
         chunks = jax.tree.map(lambda a: a[0], chunks)
+        # `io` turns stage-varying here, once: the transpose of this cast is the one sum over
+        # the stages of its gradient, after the backward loop, not one per tick
+        io = jax.lax.pcast(io, axis, to="varying")
         if batch_axis is not None:
-            chunks = jax.lax.pcast(chunks, batch_axis, to="varying")
+            chunks, io = jax.lax.pcast((chunks, io), batch_axis, to="varying")
         s = jax.lax.axis_index(axis)
 
+        def pick(i):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False),
+                                micro)
+
+        def masked(pred, fn, *args):
+            """fn(*args) where `pred` holds on this device, zeros elsewhere. Every stage computes
+            it: a per-device `lax.cond` would not, but XLA cannot partition a conditional whose
+            backward returns gradients of tensor-sharded weights (the embedding's, the
+            head's). In lockstep the cost is FLOPs, not time: each tick lasts as long as the
+            stage that runs the head anyway."""
+            return jax.tree.map(lambda y: jnp.where(pred, y, jnp.zeros_like(y)), fn(*args))
+
+        def drain(chunks, io, x, i, final):  # the loss of a finished microbatch, or 0
+            return masked(final, lambda x, i: last(chunks, io, x, pick(i)), x, i)
+
+        def work(chunks, io, inp, r, consts, i, final):
+            out = run_stage(chunks, inp, r, consts)
+            return out, drain(chunks, io, out, i, final)
+
+        # What the backward keeps of a tick. Stage-level: its input alone (stage and head are
+        # recomputed). Else: the layers' own remat policy, and the head's input and labels.
+        if stage_level:
+            work = jax.checkpoint(work, prevent_cse=False, policy=remat)
+        else:
+            drain = jax.checkpoint(drain, prevent_cse=False, policy=remat)
+        feed = jax.checkpoint(lambda chunks, io, i: first(chunks, io, pick(i)),
+                              prevent_cse=False, policy=remat)  # keeps the tokens alone
+
         def tick(carry, t):
-            held, buf = carry
-            # stage 0 feeds work item t from slot t mod m; the others run what they received
-            inp = jnp.where(s == 0, jax.lax.dynamic_index_in_dim(buf, t % m, 0, keepdims=False), held)
+            held, slots, total = carry
+            # stage 0 embeds microbatch t in the first repeat, then takes what came back
+            fresh = masked((s == 0) & (t < m), feed, chunks, io, jnp.minimum(t, m - 1))
+            inp = jnp.where(s == 0, fresh, held)
+            if v > 1:
+                back = jax.lax.dynamic_index_in_dim(slots, t % m, 0, keepdims=False)
+                inp = jnp.where((s == 0) & (t >= m), back, inp)
             r = jnp.clip((t - s) // m, 0, v - 1)  # this stage's repeat (chunk) at tick t
-            out = stage_fn(jax.tree.map(lambda a: a[r], chunks), inp, consts)
+            # the last stage finishes work item w = t - (p - 1): the loss, once it is final
+            w = t - (p - 1)
+            final = (s == p - 1) & (w >= (v - 1) * m) & (w < v * m)
+            out, loss = work(chunks, io, inp, r, consts, jnp.clip(w - (v - 1) * m, 0, m - 1), final)
+            total = total + loss
             held = jax.lax.ppermute(out, axis, ring)
-            # stage 0 files what came back from the last stage: work item t + 1 - p
-            slot, back = (t + 1 - p) % m, (s == 0) & (t + 1 - p >= 0)
-            old = jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-            buf = jax.lax.dynamic_update_index_in_dim(buf, jnp.where(back, held, old), slot, 0)
-            return (held, buf), None
+            if v > 1:  # stage 0 files what came back (work item w) for its next repeat
+                slot, keep = w % m, (s == 0) & (w >= 0) & (w < (v - 1) * m)
+                old = jax.lax.dynamic_index_in_dim(slots, slot, 0, keepdims=False)
+                slots = jax.lax.dynamic_update_index_in_dim(slots, jnp.where(keep, held, old),
+                                                            slot, 0)
+            return (held, slots, total), None
 
-        buf = jax.lax.pcast(buf, axis, to="varying")
-        held = jnp.zeros_like(buf[0])
-        (_, buf), _ = jax.lax.scan(tick, (held, buf), jnp.arange(schedule.ticks),
-                                   unroll=unroll())
-        return buf[None]
+        # carries typed like what the ticks put in them (varying over every manual axis); the
+        # embedding computed here for its type only is dead code to XLA
+        held = _vary(jnp.zeros_like(first(chunks, io, pick(0))), [axis])
+        slots = jnp.zeros_like(held, shape=(m if v > 1 else 1,) + held.shape)
+        total = jnp.zeros_like(held, jnp.float32, shape=())
+        (_, _, total), _ = jax.lax.scan(tick, (held, slots, total), jnp.arange(schedule.ticks),
+                                        unroll=unroll())
+        manual = tuple(a for a in (axis, batch_axis, seq_axis) if a is not None)
+        return jax.lax.psum(total, manual)
 
-    io = P(None, batch_axis, seq_axis)  # [m, mb, T, ...]: rows over data, T over the ring
+    rows = P(None, batch_axis, seq_axis)  # [m, mb, T, ...]: rows over data, T over the ring
     manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
-    out = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), io, P(None, seq_axis)),
-                        out_specs=P(axis, *io), axis_names=manual)(chunks, micro, consts)[0]
-    return out.swapaxes(0, 1).reshape(x.shape)
+    return jax.shard_map(per_stage, mesh=mesh,
+                         in_specs=(P(axis), P(), jax.tree.map(lambda _: rows, micro),
+                                   P(None, seq_axis)),
+                         out_specs=P(), axis_names=manual)(chunks, io, micro, consts)

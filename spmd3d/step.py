@@ -80,11 +80,18 @@ def init_state(plan: Plan, shardings: TrainState) -> TrainState:
 # ---------------------------------------------------------------------------------------------
 # forward: the model's parts composed with the schedule
 
-def _pipelined_layers(plan: Plan, model: Transformer, stacked, x, rope):
-    """The stack through the pipeline. Besides `stage`, the data axis (unless ZeRO-3 splits
-    the weights over it: gradients are then reduced once, not per tick) and the ring axis go
-    manual inside it; inside, the rules drop those axes and attention runs the per-device ring
-    (a nested shard_map would mix the two levels' manual axes)."""
+def _layer_remat(policy: str) -> str:
+    """The per-layer remat policy: `stage` checkpoints whole stages (and, inside the recompute
+    of one, keeps everything of its layers)."""
+    return "none" if policy == "stage" else policy
+
+
+def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
+    """Summed loss through the pipeline: stage 0 embeds each microbatch, the stages apply their
+    layers, the last stage runs the head and the loss. Besides `stage`, the data axis (unless
+    ZeRO-3 splits the weights over it: gradients are then reduced once, not per tick) and the
+    ring axis go manual inside it; inside, the rules drop those axes and attention runs the
+    per-device ring (a nested shard_map would mix the two levels' manual axes)."""
     rules, par = plan.rules, plan.cfg.parallel
     inner, batch_axis, seq_axis = rules.compute, None, None
     if not rules.params_over_batch:
@@ -95,12 +102,27 @@ def _pipelined_layers(plan: Plan, model: Transformer, stacked, x, rope):
         res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None
         inner = inner.with_(length=None, res_length=res[0] if res else None)
     attend = attention.select(plan.attention, seq_axis, plan.mesh, manual=True)
-    stage_fn = model.layers(par.remat, par.scan_layers, attend)
+    model = nnx.merge(graphdef, params)
+    stage = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
+    rope = model.rope(positions)
+    io = nnx.State({k: v for k, v in params.items() if k != "blocks"})
+
+    def local_model(blocks, io):  # this stage's view: its chunks as the blocks
+        return nnx.merge(graphdef, nnx.State({**io, "blocks": blocks}))
+
+    def first(blocks, io, xs):
+        return local_model(blocks, io).embed_tokens(xs[0], one_hot=True)
+
+    def last(blocks, io, x, xs):
+        return local_model(blocks, io).loss(x, xs[1])[0]
+
     grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
     # inside the pipeline's shard_map, constraints resolve against its context mesh
     with activation_rules(inner, None, grads):
-        return pipeline.run(stage_fn, stacked, x, rope, plan.schedule, rules.compute["layers"],
-                            plan.mesh, batch_axis, seq_axis)
+        return pipeline.run(params["blocks"], io, (inputs, labels), rope, plan.schedule,
+                            rules.compute["layers"], plan.mesh, first=first, stage=stage,
+                            last=last, batch_axis=batch_axis, seq_axis=seq_axis,
+                            stage_remat=par.remat == "stage")
 
 
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
@@ -110,15 +132,16 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
         positions = np.asarray(plan.seq_order)
         inputs, labels = inputs[:, positions], labels[:, positions]
-    model = nnx.merge(graphdef, params)
-    x, rope = model.embed_tokens(inputs), model.rope(positions)
-    stacked = nnx.state(model.blocks)  # in storage order
     if plan.pipelined:
-        x = _pipelined_layers(plan, model, stacked, x, rope)
-    else:  # storage order is canonical without a pipeline
-        par = plan.cfg.parallel
-        attend = attention.select(plan.attention, plan.rules.compute["length"], plan.mesh)
-        x = model.layers(par.remat, par.scan_layers, attend)(stacked, x, rope)
+        return _pipelined_loss(plan, graphdef, params, inputs, labels, positions), labels.size
+    # storage order is canonical without a pipeline
+    model, par = nnx.merge(graphdef, params), plan.cfg.parallel
+    attend = attention.select(plan.attention, plan.rules.compute["length"], plan.mesh)
+    run = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
+    if par.remat == "stage":  # the whole stack is the one stage: keep only its input
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
+                             prevent_cse=False)
+    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), model.rope(positions))
     return model.loss(x, labels)
 
 

@@ -21,6 +21,7 @@ LAYOUTS = {
     "zero3_dp2_tp4_sp_accum_remat": dict(data=2, tensor=4, zero=3, sp=True, micro=2, remat="full"),
     "zero2_dp8_accum4_save_dots": dict(data=8, zero=2, micro=2, remat="save_dots"),
     "zero3_dp4_tp2_unrolled": dict(data=4, tensor=2, zero=3, extra=("parallel.scan_layers=false",)),
+    "dp4_tp2_accum2_stage_remat": dict(data=4, tensor=2, micro=2, remat="stage"),
 }
 
 

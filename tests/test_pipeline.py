@@ -23,6 +23,7 @@ LAYOUTS = {
     "dp2_pp2_tp2_zero3": dict(data=2, stage=2, tensor=2, micro=4, zero=3),
     "dp2_pp2_tp2_v2_sp_zero1_remat": dict(data=2, stage=2, tensor=2, micro=4, zero=1, sp=True,
                                           remat="full", extra=["parallel.pipeline_repeats=2"]),
+    "dp2_pp2_tp2_sp_stage_remat": dict(data=2, stage=2, tensor=2, micro=4, sp=True, remat="stage"),
 }
 
 
@@ -40,7 +41,7 @@ def test_pipeline_losses_match_one_device(reference, name):
     assert_losses_match(cfg(**LAYOUTS[name]), reference[0])
 
 
-@pytest.mark.parametrize("name", ["dp2_pp4_m4", "dp2_pp2_tp2_v2"])
+@pytest.mark.parametrize("name", ["dp2_pp4_m4", "dp2_pp2_tp2_v2", "dp2_pp2_tp2_sp_stage_remat"])
 def test_pipeline_grads_match_one_device(reference, name):
     assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
 
@@ -52,8 +53,8 @@ def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
     assert Schedule(4, 8, 2).ticks == 19 and abs(Schedule(4, 8, 1).bubble - 3 / 11) < 1e-12
 
 
-def per_device_flops(**kw):
-    c = cfg(**kw)
+def per_device_flops(layers, extra=(), **kw):
+    c = cfg(**kw, extra=[f"model.num_layers={layers}", *extra])
     job = runtime.setup(c, devices_for(c))
     with pipeline.unrolled_loops():  # cost analysis counts a loop body once
         compiled, _ = job.compile()
@@ -61,23 +62,22 @@ def per_device_flops(**kw):
     return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
 
-@pytest.fixture(scope="module")
-def unpipelined_flops():
-    """(FLOPs of the 8-layer step, FLOPs outside the layer stack), one device."""
-    f4 = per_device_flops(extra=["model.num_layers=4"])
-    f8 = per_device_flops(extra=["model.num_layers=8"])
-    return f8, f4 - (f8 - f4)
+def stack_flops(**kw):
+    """Per-device FLOPs of 4 layers: the step with 8 layers less the step with 4 (what does not
+    depend on the depth -- embedding, head, loss, the optimizer's share -- cancels)."""
+    return per_device_flops(8, **kw) - per_device_flops(4, **kw)
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 2, 1), (2, 4, 1), (4, 4, 1), (2, 2, 2)])
-def test_bubble_flops_match_the_schedule(unpipelined_flops, p, m, v):
+def test_bubble_flops_match_the_schedule(p, m, v):
     """Every stage computes at every tick, so the layer stack's FLOPs per device times p over
-    the unpipelined ones is the schedule's (v*m + p - 1) / (v*m): the bubble, no more."""
-    f8, outside = unpipelined_flops
-    f = per_device_flops(stage=p, micro=m, extra=["model.num_layers=8",
-                                                  f"parallel.pipeline_repeats={v}"])
-    measured = (f - outside) * p / (f8 - outside)
-    theory = (v * m + p - 1) / (v * m)
+    the unpipelined ones is the schedule's (v*m + p - 1) / (v*m): the bubble, no more. (A
+    circular pipeline recomputes each stage in the backward, so both sides use stage remat.)"""
+    remat = "stage" if v > 1 else "none"
+    one = stack_flops(remat=remat)
+    piped = stack_flops(stage=p, micro=m, remat=remat, extra=[f"parallel.pipeline_repeats={v}"])
+    measured = piped * p / one
+    theory = Schedule(p, m, v).ticks / (v * m)
     assert abs(measured / theory - 1) < 0.02, (measured, theory)
 
 
@@ -129,3 +129,29 @@ def test_model_called_on_stored_layers_runs_them_in_canonical_order():
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
     unaware = nnx.merge(nnx.graphdef(Transformer(job.cfg.model, nnx.Rngs(params=0))), stored)
     assert np.max(np.abs(np.asarray(unaware(tokens)) - want)) > 1e-3
+
+
+# wide enough that a stage's weights (64 MiB per device) dwarf a microbatch's activations
+WIDE = ["model.num_layers=4", "model.d_model=1024", "model.num_heads=8", "model.num_kv_heads=8",
+        "model.d_ff=4096", "train.seq_len=64"]
+
+
+def temp_bytes(m, remat, repeats=1):
+    """Per-device temporaries of the step with m microbatches of one row per data shard."""
+    c = cfg(data=2, stage=2, tensor=2, micro=m, zero=1, remat=remat,
+            extra=WIDE + [f"train.global_batch={2 * m}", f"parallel.pipeline_repeats={repeats}"])
+    return hlo.memory(runtime.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
+
+
+@pytest.mark.parametrize("remat,repeats", [("stage", 1), ("none", 2)])
+def test_temporaries_grow_by_activations_per_microbatch_never_by_weights(remat, repeats):
+    """From 4 to 8 microbatches, what the step keeps per extra microbatch: with stage remat,
+    exactly the stage's input (one [1, T, D] fp32 row); with a circular pipeline (whose chunk
+    is picked by a traced index), its v visits' inputs and a wrap-around slot, with room for
+    scalars. A copy of the weights per tick (64 MiB per stage and device) would show at once."""
+    row = 64 * 1024 * 4  # [mb=1, T, D] fp32
+    weights = 2 * 16_777_216 // 2 * 4  # 2 layers per stage of 16.8M parameters, tensor 2, fp32
+    per_microbatch = (temp_bytes(8, remat, repeats) - temp_bytes(4, remat, repeats)) / 4
+    bound = row * (1 if repeats == 1 else 2 * repeats + 1)
+    assert row <= per_microbatch <= 1.05 * bound, (per_microbatch, bound)
+    assert per_microbatch < weights / 50

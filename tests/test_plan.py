@@ -80,5 +80,5 @@ def test_gpt3_layout_planned_in_a_one_device_process():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"devices": 1, "mesh": {"data": 8, "stage": 16, "tensor": 8, "seq": 1},
-                   "ticks": 16 + 16 - 1, "accum": 1,
+                   "ticks": 192 + 16 - 1, "accum": 1,
                    "w_down": ["stage", "tensor", None], "embed": ["tensor", None]}

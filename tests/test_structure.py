@@ -13,23 +13,32 @@ from spmd3d import config
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "spmd3d"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+FILES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): p
+         for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py" or p.parent != PACKAGE}
+MODULES = sorted(FILES)  # `plan` is the package plan/, `plan.__main__` its command
 
 
 def imports_of(module: str) -> set[str]:
     """The spmd3d modules `module` imports anywhere in its body (inside functions too: a lazy
-    import is still a dependency)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    import is still a dependency); relative imports resolved against its package."""
+    path = FILES[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                out.add(node.module.split(".")[0])
-            else:
-                out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("spmd3d."):
-            out.add(node.module.split(".")[1])
-    return out & set(MODULES)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package[: len(package) - (node.level - 1)]
+        elif (node.module or "").startswith("spmd3d."):
+            base = []
+        else:
+            continue
+        name = (node.module or "").removeprefix("spmd3d.") if node.level == 0 else node.module
+        target = base + (name.split(".") if name else [])
+        candidates = [".".join(target + [a.name]) for a in node.names] if not name else []
+        found = [c for c in candidates if c in FILES] or [".".join(target)]
+        out.update(found)
+    return out & set(MODULES) - {module}
 
 
 GRAPH = {m: imports_of(m) for m in MODULES}
@@ -48,6 +57,8 @@ def reachable(start: str) -> set[str]:
 def test_graph_is_read():
     assert {"plan", "sharding", "pipeline"} <= GRAPH["step"]
     assert "runtime" in GRAPH["train"] and "cli" in GRAPH["train"]
+    assert {"plan", "footprint", "api", "cli"} <= GRAPH["plan.__main__"]
+    assert {"pipeline", "sharding", "model"} <= GRAPH["plan"]
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -81,7 +92,7 @@ def test_command_modules_import_without_jax():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("command", ["train", "bench", "checkpoint"])
+@pytest.mark.parametrize("command", ["train", "bench", "checkpoint", "plan"])
 def test_every_command_answers_help(command):
     out = subprocess.run([sys.executable, "-m", f"spmd3d.{command}", "--help"], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
@@ -98,5 +109,5 @@ def test_every_command_answers_help(command):
 
 
 def test_modules_stay_small():
-    sizes = {m: len((PACKAGE / f"{m}.py").read_text().splitlines()) for m in MODULES}
+    sizes = {m: len(FILES[m].read_text().splitlines()) for m in MODULES}
     assert max(sizes.values()) <= 410, sizes

@@ -8,6 +8,10 @@ pipeline), the gradient-accumulation steps, the order the stacked layers are sto
 order of the sequence's positions and the attention kernel. State, step, model wiring,
 checkpoint targets, bench and the API take a plan; none re-derives these from the raw config.
 Frozen and hashable, so it can key caches of compiled functions.
+
+`python -m spmd3d.plan [CONFIG.yaml] [key=value ...] [--compile] [--json]` (`__main__.py`)
+prints the plan of a config on its topology; `--compile` compiles its step at full size on
+simulated CPU devices and reports the memory per device and the collectives (`footprint.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Config, ConfigError, resolve_mesh
-from .mesh import AXES, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
-from .pipeline import Schedule, layer_order
-from .ring import zigzag_order
-from .sharding import ZeroRules, zero_rules
+from ..config import Config, ConfigError, resolve_mesh
+from ..mesh import AXES, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
+from ..pipeline import Schedule, layer_order
+from ..ring import zigzag_order
+from ..sharding import ZeroRules, zero_rules
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,8 @@ class Plan:
         """{parameter key: PartitionSpec as stored}, from the parameters' logical names."""
         from flax import nnx
 
-        from .model import abstract_model
-        from .store import flat
+        from ..model import abstract_model
+        from ..store import flat
 
         _, params = abstract_model(self.cfg.model, self.layer_order)
         variables = flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -124,3 +128,4 @@ class Plan:
         elif self.accum_steps > 1:
             lines.append(f"gradient accumulation over {self.accum_steps} microbatches")
         return "\n".join(lines)
+

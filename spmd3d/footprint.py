@@ -1,0 +1,175 @@
+"""What one compiled train step needs per device: memory by kind and collectives per mesh axis.
+
+`measure(cfg)` compiles the real step for the config's real device count on simulated CPU
+devices, from abstract shapes (nothing is allocated), and reads `memory_analysis()` and the HLO.
+Two departures from the real run, each stated in the report:
+
+* bf16 compute is compiled as fp16, a 2-byte stand-in: XLA:CPU computes bf16 in fp32 and hoists
+  the conversions, which would inflate the temporaries of a bf16 step;
+* above `MAX_SIMULATED` devices (what XLA:CPU can simulate), the `data` axis is cut (with the
+  global batch, so a data shard keeps its rows), and the terms that shard over `data` (the
+  ZeRO-sharded state, and gradients under ZeRO-2/3) are scaled back to the real axis.
+
+The breakdown: parameters and optimizer state are the arguments' exact shard sizes; gradients
+are the fp32 gradient tree's shards; pipeline buffers are a circular pipeline's wrap-around
+slots; logits/loss is one microbatch's fp32 logits, their softmax and the labels' one-hot;
+saved activations are the rest of the temporaries (what the backward keeps, and transients).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+from .config import Config
+
+MAX_SIMULATED = 2048
+
+
+def devices_needed(cfg: Config, topology) -> int:
+    """The device count of the config's layout (`mesh.data=-1`: the topology's whole cluster)."""
+    sizes = cfg.mesh.sizes()
+    fixed = sizes["stage"] * sizes["tensor"] * sizes["seq"]
+    return topology.num_devices if sizes["data"] == -1 else fixed * sizes["data"]
+
+
+def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
+    """(the config to compile, the factor its `data` axis was cut by) for at most
+    MAX_SIMULATED devices; bf16 compute becomes fp16 (see the module's docstring)."""
+    m = cfg.model
+    model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
+                    param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype)
+    data = devices // (cfg.mesh.stage * cfg.mesh.tensor * cfg.mesh.seq)
+    cut = 1
+    while (devices // cut) > MAX_SIMULATED or data % cut:
+        cut += 1
+        if cut > data:
+            raise ValueError(f"{devices} devices: stage*tensor*seq alone exceeds {MAX_SIMULATED}")
+    mesh = replace(cfg.mesh, data=data // cut, simulated_devices=0)
+    train = replace(cfg.train, global_batch=cfg.train.global_batch // cut)
+    return replace(cfg, model=model, mesh=mesh, train=train), cut
+
+
+def shard_bytes(tree, shardings) -> int:
+    import jax
+
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def state_terms(plan) -> dict:
+    """Exact per-device bytes of parameters, optimizer state and fp32 gradients of a plan,
+    from the shardings alone (an abstract mesh will do)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .sharding import shardings_for
+    from .step import state_shardings
+
+    _, abstract, shardings = state_shardings(plan)
+    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract.params)
+    return {"parameters": shard_bytes(abstract.params, shardings.params),
+            "optimizer_state": shard_bytes(abstract.opt, shardings.opt),
+            "gradients": shard_bytes(grads, shardings_for(abstract.params, plan.rules.grads,
+                                                          plan.mesh))}
+
+
+def working_terms(plan) -> dict:
+    """Per-device bytes of a circular pipeline's wrap-around slots and of one microbatch's
+    logits, softmax and one-hot."""
+    cfg, mesh = plan.cfg, plan.mesh.shape
+    t, m = cfg.train, cfg.model
+    micro = plan.schedule.microbatches if plan.schedule else plan.accum_steps
+    rows = t.global_batch // micro // mesh["data"]
+    tokens = rows * t.seq_len // mesh["seq"]
+    itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
+    slots = 0
+    if plan.schedule and plan.schedule.repeats > 1:
+        slots = micro * tokens * m.d_model * itemsize
+    return {"pipeline_buffers": slots, "logits_loss": 3 * tokens * m.vocab_size // mesh["tensor"] * 4}
+
+
+def measure(cfg: Config, topology) -> dict:
+    """Compile `cfg`'s step for its layout and return the report's record (see `format`)."""
+    import jax
+    import numpy as np
+
+    from . import hlo, store
+    from .plan import Plan
+    from .step import make_train_step, state_shardings
+
+    real = Plan.resolve(cfg, topology=topology)
+    n = real.num_devices
+    compile_cfg, cut = compiled_layout(real.cfg, n)
+    plan = Plan.resolve(compile_cfg, jax.devices()[: n // cut], topology=topology)
+    graphdef, abstract, shardings = state_shardings(plan)
+    step = make_train_step(plan, graphdef, shardings)
+    t = plan.cfg.train
+    batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
+                                 sharding=plan.batch_sharding)
+    start = time.perf_counter()
+    compiled = step.lower(store.abstract_like(abstract, shardings), batch).compile()
+    seconds = time.perf_counter() - start
+
+    mem = hlo.memory(compiled)
+    terms_real, terms_compiled = state_terms(real), state_terms(plan)
+    # the compiled figures with the data-sharded terms scaled back to the real data axis
+    delta_args = sum(terms_real[k] - terms_compiled[k] for k in ("parameters", "optimizer_state"))
+    delta_temp = terms_real["gradients"] - terms_compiled["gradients"]
+    compiled_rec = {"argument_bytes": mem["argument_bytes"] + delta_args,
+                    "temp_bytes": mem["temp_bytes"] + delta_temp,
+                    "output_bytes": mem["output_bytes"] + delta_args,
+                    "alias_bytes": mem["alias_bytes"] + delta_args}
+    work = working_terms(plan)
+    kinds = {**terms_real, **work}
+    kinds["saved_activations"] = compiled_rec["temp_bytes"] - sum(
+        kinds[k] for k in ("gradients", "pipeline_buffers", "logits_loss"))
+    colls = hlo.collectives(compiled.as_text(), plan.mesh.shape)
+    counts, nbytes = hlo.summary(colls), hlo.bytes_by_axes(colls)
+    return {
+        "devices": n, "simulated_devices": n // cut, "data_cut": cut,
+        "mesh": dict(real.mesh.shape), "compiled_mesh": dict(plan.mesh.shape),
+        "dtype": cfg.model.dtype, "compiled_dtype": plan.cfg.model.dtype,
+        "topology": topology.name, "device_memory_bytes": int(topology.device_memory_gb * 1e9),
+        "compile_s": seconds, "compiled": compiled_rec, "by_kind": kinds,
+        "needed_bytes": compiled_rec["argument_bytes"] + compiled_rec["temp_bytes"],
+        "collectives": [{"kind": k, "axes": list(a), "count": c, "bytes": nbytes[(k, a)]}
+                        for (k, a), c in sorted(counts.items())],
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:8.2f}"
+
+
+def format_report(r: dict) -> list[str]:
+    """The record as the report's lines."""
+    c, k = r["compiled"], r["by_kind"]
+    lines = [f"compiled for {r['devices']} devices in {r['compile_s']:.1f} s on "
+             f"{r['simulated_devices']} simulated CPU devices"]
+    if r["compiled_dtype"] != r["dtype"]:
+        lines.append(f"  {r['dtype']} compiled as {r['compiled_dtype']}, a 2-byte stand-in "
+                     "(XLA:CPU would compute bf16 in fp32 and inflate the temporaries)")
+    if r["data_cut"] > 1:
+        lines.append(f"  compiled with data {r['compiled_mesh']['data']} (not "
+                     f"{r['mesh']['data']}: XLA:CPU simulates at most {MAX_SIMULATED} devices) and "
+                     "the global batch cut alike; ZeRO-sharded state and gradients scaled back")
+    lines += [
+        "per device (GB)",
+        f"  arguments   {_gb(c['argument_bytes'])}   parameters {_gb(k['parameters']).strip()},"
+        f" optimizer state {_gb(k['optimizer_state']).strip()}",
+        f"  temporaries {_gb(c['temp_bytes'])}   gradients {_gb(k['gradients']).strip()},"
+        f" saved activations and transients {_gb(k['saved_activations']).strip()},"
+        f" logits/loss {_gb(k['logits_loss']).strip()},"
+        f" pipeline buffers {_gb(k['pipeline_buffers']).strip()}",
+        f"  outputs     {_gb(c['output_bytes'])}   (aliased to the donated state: "
+        f"{_gb(c['alias_bytes']).strip()})",
+        f"  needed      {_gb(r['needed_bytes'])}   arguments + temporaries; a device of "
+        f"{r['topology']} has {r['device_memory_bytes'] / 1e9:.0f}",
+        "collectives per step (per device, loop trips counted)",
+    ]
+    for x in r["collectives"]:
+        lines.append(f"  {','.join(x['axes']) or '?':<12} {x['kind']:<20} {x['count']:>7} ops "
+                     f"{x['bytes'] / 1e9:10.3f} GB")
+    return lines
