@@ -311,13 +311,11 @@ def load(run_dir: str | Path, mesh=None, step: int | None = None, what: str = "p
     if mesh is not None:
         def target(meta):
             from .plan import Plan
-            from .step import state_shardings
+            from .step import canonical_state
 
             sections = {**meta["config"], "mesh": {**meta["config"]["mesh"], **dict(mesh.shape)}}
             cfg = config_lib.override(Config(), **sections)
             plan = Plan.resolve(cfg, mesh.devices.flat)
-            _, abstract, shardings = state_shardings(plan)
-            # stored in canonical order: a pipeline's storage order does not matter here
-            return store.flat(store.abstract_like(abstract, shardings))
+            return store.flat(store.abstract_like(*canonical_state(plan)))
 
     return checkpoint.load(run_dir, step, what=what, target=target)

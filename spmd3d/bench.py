@@ -18,7 +18,6 @@ Exit status: 0 done, 2 invalid configuration or input (one line, no traceback), 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -249,10 +248,7 @@ def _run(args: cli.Args) -> int:
         record["bubble"] = measure_bubble(cfg)
     if args.flags.get("--checkpoint"):
         record["checkpoint"] = measure_checkpoint(cfg)
-    print(format_report(record), flush=True)
-    if args.flags.get("--json"):
-        print(json.dumps(record), flush=True)
-    return 0
+    return cli.report(format_report(record), record, bool(args.flags.get("--json")))
 
 
 def main(argv: list[str] | None = None) -> int:

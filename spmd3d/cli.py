@@ -10,6 +10,7 @@ bad arguments must answer at once, and the device count must be settable before 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -143,6 +144,16 @@ def help_text(command: Command) -> str:
         lines += _columns([(name, typ, _show(default), meaning)
                            for name, typ, default, meaning in config_lib.field_docs()])
     return "\n".join(lines)
+
+
+def report(text: str, record: dict, as_json: bool) -> int:
+    """A command's report; with `--json`, then its record as one JSON object, the last line of
+    stdout (for scripts). Returns 0, the command's exit status."""
+    if text:
+        print(text, flush=True)
+    if as_json:
+        print(json.dumps(record), flush=True)
+    return 0
 
 
 def run(command: Command, argv: list[str] | None, body: Callable[[Args], int | None]) -> int:

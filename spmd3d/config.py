@@ -74,8 +74,8 @@ class ParallelConfig:
     zero_stage: int = doc(1, "shard over data: optimizer state (1), + grads (2), + params (3)")
     pipeline_repeats: int = doc(1, "circular pipeline: chunks of layers per stage")
     sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
-    remat: str = doc("none", "none, full, save_dots (keep matmul outputs), or stage (keep "
-                             "only each stage's input)")
+    remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
+                             "stage (keep only each stage's input per microbatch)")
     # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
     # no per-layer copies into stacked residual buffers and scheduling across layers, for
     # compile time that grows with depth -- a win for small, shallow models (see bench_small)
@@ -318,8 +318,9 @@ def validate(cfg: Config) -> None:
     _need(par.pipeline_repeats >= 1, "parallel.pipeline_repeats", "must be >= 1")
     _need(par.remat in REMAT_POLICIES, "parallel.remat",
           f"must be one of {', '.join(REMAT_POLICIES)}")
-    _divides("model.num_layers", m.num_layers, mesh.stage * par.pipeline_repeats,
-             "mesh.stage * parallel.pipeline_repeats")
+    _need(m.num_layers >= mesh.stage * par.pipeline_repeats, "model.num_layers",
+          f"{m.num_layers} is fewer than mesh.stage * parallel.pipeline_repeats = "
+          f"{mesh.stage * par.pipeline_repeats}: every chunk of the pipeline needs a layer")
     _need(par.pipeline_repeats == 1 or mesh.stage > 1, "parallel.pipeline_repeats",
           "circular repeats need a pipeline (mesh.stage > 1)")
     _need(par.pipeline_repeats == 1 or cfg.train.microbatches >= mesh.stage, "train.microbatches",

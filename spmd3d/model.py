@@ -209,7 +209,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer_order: tuple | None = None):
         self.cfg = cfg
         order = None if layer_order is None else tuple(int(i) for i in layer_order)
-        self.layer_order = None if order == tuple(range(cfg.num_layers)) else order
+        self.layer_order = None if order == tuple(range(cfg.num_layers)) else order  # -1: pad
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std, cfg.param_dtype)
 
@@ -236,17 +236,20 @@ class Transformer(nnx.Module):
         return rope_tables(positions_t[None], self.cfg.dim_per_head, self.cfg.rope_theta)
 
     def layers(self, remat: str = "none", scan: bool = True, attend=causal_attention):
-        """`fn(stacked[c, ...], x, rope) -> x`: c stacked layers applied in their stacked order,
-        each under the remat policy, in a `lax.scan` (unrolled when `scan` is false)."""
+        """`fn(stacked[c, ...], x, rope, active=None) -> x`: c stacked layers applied in their
+        stacked order, each under the remat policy, in a `lax.scan` (unrolled when `scan` is
+        false); `active[c]` (bool) marks real layers, a padding slot passes x through."""
         graphdef = nnx.graphdef(self.blocks)
 
-        def run(stacked, x, rope):
-            def layer(x, params):
-                return nnx.merge(graphdef, params)(x, *rope, attend), None
+        def run(stacked, x, rope, active=None):
+            def layer(x, slot):
+                params, on = slot
+                y = nnx.merge(graphdef, params)(x, *rope, attend)
+                return (y if on is None else jnp.where(on, y, x)), None
 
             layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
             with jax.named_scope("layers"):
-                return jax.lax.scan(layer, x, stacked, unroll=unroll() or not scan)[0]
+                return jax.lax.scan(layer, x, (stacked, active), unroll=unroll() or not scan)[0]
 
         return run
 
@@ -274,7 +277,8 @@ class Transformer(nnx.Module):
         stacked = nnx.state(self.blocks)
         if self.layer_order is None:
             return stacked
-        index = np.argsort(np.asarray(self.layer_order))
+        order = np.asarray(self.layer_order)
+        index = np.array([np.flatnonzero(order == c)[0] for c in range(self.cfg.num_layers)])
         return jax.tree.map(lambda a: jnp.take(a, index, axis=0), stacked)
 
     def __call__(self, tokens_bt, positions_t=None):

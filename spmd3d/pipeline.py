@@ -56,37 +56,60 @@ class Schedule:
     def bubble(self) -> float:
         return (self.stages - 1) / self.ticks
 
-    def describe(self, num_layers: int) -> str:
+    def describe(self, order) -> str:
+        """The schedule and, per stage, the canonical layers of each of its chunks, from the
+        storage order (`layer_order`)."""
         p, v = self.stages, self.repeats
-        c = num_layers // (p * v)
+        c = len(order) // (p * v)
         lines = [f"pipeline: p={p} stages, m={self.microbatches} microbatches, v={v} repeats, "
                  f"{self.ticks} ticks, bubble {self.bubble:.1%} (theory (p-1)/(v*m+p-1))"]
         for s in range(p):
-            chunks = [f"{(r * p + s) * c}-{(r * p + s) * c + c - 1}" for r in range(v)]
+            chunks = []
+            for r in range(v):
+                layers = [i for i in order[(s * v + r) * c:(s * v + r + 1) * c] if i >= 0]
+                chunks.append(f"{layers[0]}-{layers[-1]}" if layers else "none")
             lines.append(f"  stage {s}: layers {', '.join(chunks)}")
         return "\n".join(lines)
 
 
 def layer_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
-    """Storage position -> canonical layer index. Stage s stores its chunks r = 0..v-1 in one
-    contiguous block, so splitting the stored [L, ...] stack over `stage` hands every stage
-    exactly its chunks. The identity unless v > 1."""
-    c = num_layers // (stages * repeats)
-    return np.array([(r * stages + s) * c + j
+    """Storage position -> canonical layer index, -1 for a padding slot. The L layers form
+    K = v·p chunks (chunk k on stage k mod p) of c = ceil(L/K) slots; when K does not divide L,
+    the last chunk, the first, the second-to-last, the second... each hold one layer fewer
+    (so LLaMA-3 405B's 126 layers on 16 stages run 7 on the first and last stage, 8 on the
+    others, as Meta ran it: those stages also hold the embedding and the head), the empty slot
+    at the chunk's end. Stage s stores its chunks r = 0..v-1 in one contiguous block, so
+    splitting the stored stack over `stage` hands every stage exactly its chunks. The identity
+    unless v > 1 or K does not divide L."""
+    k = stages * repeats
+    c = -(-num_layers // k)
+    fewer = [k - 1 - i // 2 if i % 2 == 0 else i // 2 for i in range(k * c - num_layers)]
+    sizes = [c - (chunk in fewer) for chunk in range(k)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return np.array([starts[r * stages + s] + j if j < sizes[r * stages + s] else -1
                      for s in range(stages) for r in range(repeats) for j in range(c)])
 
 
 def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
-    """Apply `layer_order` (canonical -> storage) or its inverse to every stacked-block leaf
-    (leaves under a `blocks` key) of a state pytree; other leaves pass through."""
+    """Apply `layer_order` (canonical [L, ...] -> storage, padding slots zero) or its inverse
+    to every stacked-block leaf (leaves under a `blocks` key) of a state pytree; other leaves
+    pass through."""
+    order = np.asarray(order)
     if np.array_equal(order, np.arange(len(order))):
         return tree
-    index = np.argsort(order) if inverse else order
+    pad = order < 0
+    if inverse:  # the storage position of each canonical layer
+        index = np.array([np.flatnonzero(order == c)[0] for c in range(int((~pad).sum()))])
+    else:
+        index = np.where(pad, 0, order)
 
     def one(path, x):
-        if any(getattr(k, "key", None) == "blocks" for k in path) and getattr(x, "ndim", 0):
-            return jnp.take(x, index, axis=0)
-        return x
+        if not (any(getattr(k, "key", None) == "blocks" for k in path) and getattr(x, "ndim", 0)):
+            return x
+        x = jnp.take(x, index, axis=0)
+        if inverse or not pad.any():
+            return x
+        return jnp.where(pad.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -104,7 +127,7 @@ def _vary(x, axes):
 
 
 def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, stage, last,
-        batch_axis=None, seq_axis=None, stage_remat: bool = False):
+        active=None, batch_axis=None, seq_axis=None, stage_remat: bool = False):
     """The summed `last` of every microbatch of `xs`, each carried through all layers by the
     pipeline: the training forward pass, whose autodiff is the backward pipeline.
 
@@ -112,8 +135,9 @@ def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, s
     parameters of `first` and `last` (the embedding, head and final norm), whole on every stage;
     `xs`: per-example arrays [B, ...] (tokens and labels), cut into m microbatches (microbatch
     j holds rows j, j+m, ...: each data shard keeps its own rows); `consts`: [1, T, ...] arrays
-    (RoPE tables). Stage 0 computes `first(blocks, io, xs_mb) -> x` (the embedding) for each
-    microbatch the tick it enters; every stage applies `stage(chunk, x, consts) -> x` to its
+    (RoPE tables); `active`: None, or which stored layer slots hold a layer (uneven stages:
+    `stage` leaves its input unchanged in a padding slot). Stage 0 computes `first(blocks, io, xs_mb) -> x` (the embedding) for each
+    microbatch the tick it enters; every stage applies `stage(chunk, x, consts, active) -> x` to its
     chunk of layers; the last stage computes `last(blocks, io, x, xs_mb) -> scalar` (head and
     loss) the tick a microbatch leaves its last repeat. So no [m, mb, T, D] buffer of
     activations exists (but the wrap-around slots of a circular pipeline), and one
@@ -144,9 +168,12 @@ def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, s
     remat = jax.checkpoint_policies.nothing_saveable
     stage_level = stage_remat or v > 1
 
+    on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v, -1))
+
     def run_stage(chunks, inp, r, consts):
         chunk = jax.tree.map(lambda a: a[0] if v == 1 else a[r], chunks)
-        return stage(chunk, inp, consts)
+        mask = None if on is None else on[jax.lax.axis_index(axis), r]
+        return stage(chunk, inp, consts, mask)
 
     def per_stage(chunks, io, micro, consts):
         # chunks[1, v, c, ...]: this stage's v chunks; micro[m, mb, ...]: every microbatch

@@ -36,6 +36,7 @@ class Job:
     shardings: object  # TrainState of NamedShardings
     step_fn: object  # jitted train step
     batches: object  # data.TokenBatches
+    canonical: tuple  # (abstract, shardings) of the canonical state that checkpoints hold
 
     @property
     def cfg(self) -> Config:
@@ -64,7 +65,8 @@ class Job:
         from .step import reorder
 
         return tuple(jax.jit(lambda s, c=c: reorder(s, self.plan, to_canonical=c),
-                             out_shardings=self.shardings) for c in (False, True))
+                             out_shardings=self.canonical[1] if c else self.shardings)
+                     for c in (False, True))
 
     def reorder(self, state, to_canonical: bool):
         """Between the stored layer order (a circular pipeline keeps each stage's chunks
@@ -97,7 +99,7 @@ class Job:
 def setup(cfg: Config | Plan, devices=None) -> Job:
     """Resolve the plan against the devices and build the sharded step and the data."""
     from .data import TokenBatches, load_tokens
-    from .step import make_train_step, state_shardings
+    from .step import canonical_state, make_train_step, state_shardings
 
     plan = cfg if isinstance(cfg, Plan) else Plan.resolve(cfg, devices)
     cfg = plan.cfg
@@ -107,7 +109,7 @@ def setup(cfg: Config | Plan, devices=None) -> Job:
                            cfg.train.seed, cfg.model.vocab_size)
     # read one batch now: bad token ids fail in milliseconds, not after compilation
     batches.batch(0, cfg.train.global_batch)
-    return Job(plan, graphdef, abstract, shardings, step_fn, batches)
+    return Job(plan, graphdef, abstract, shardings, step_fn, batches, canonical_state(plan))
 
 
 def checkpoint_meta(job: Job, step: int) -> dict:
@@ -135,7 +137,7 @@ def restore_or_init(job: Job, ckpt, log=print):
 
     Raises `CheckpointError` (exit 2) for a checkpoint of another model or schema, or a
     damaged newest one unless `checkpoint.fallback` allows stepping back past it."""
-    target = store.abstract_like(job.abstract, job.shardings)
+    target = store.abstract_like(*job.canonical)
     found = restore_newest(ckpt, store.flat(target), config_lib.to_dict(job.cfg)["model"],
                            fallback=job.cfg.checkpoint.fallback, log=log)
     if found is None:

@@ -102,6 +102,19 @@ class ZeroRules:
     grads: Rules
     opt: Rules
 
+    def canonical(self) -> "ZeroRules":
+        """Tables for the canonical [L, ...] stack when the stored one is padded (uneven
+        stages): L does not split over `stage` evenly, so `layers` stays whole and `embed` and
+        `norm` (the model width, in every stacked parameter) take `stage` as well. Used to hand
+        checkpoints their canonical arrays, per device no larger than the stored ones."""
+        def add_stage(rules: Rules) -> Rules:
+            def plus(axes):
+                return STAGE if axes is None else (*(axes if isinstance(axes, tuple) else (axes,)), STAGE)
+            return rules.with_(layers=None, embed=plus(rules["embed"]), norm=plus(rules["norm"]))
+
+        return ZeroRules(self.compute, add_stage(self.params), add_stage(self.grads),
+                         add_stage(self.opt))
+
     @property
     def params_over_batch(self) -> bool:
         """Whether stored weights are split over the batch's mesh axis (ZeRO-3)."""

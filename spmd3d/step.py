@@ -34,18 +34,33 @@ class TrainState(NamedTuple):
     opt: optax.OptState  # Adam moments (and count), laid out like the parameters
 
 
-def state_shardings(plan: Plan):
-    """(graphdef, abstract TrainState, TrainState of NamedShardings) without allocating."""
-    cfg = plan.cfg
-    graphdef, params = abstract_model(cfg.model, plan.layer_order)
-    tx = make_optimizer(cfg.optim)
+def _state(plan: Plan, params, rules):
+    tx = make_optimizer(plan.cfg.optim)
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
     shardings = TrainState(
         NamedSharding(plan.mesh, P()),
-        shardings_for(params, plan.rules.params, plan.mesh),
-        shardings_for(abstract.opt, plan.rules.opt, plan.mesh),
+        shardings_for(params, rules.params, plan.mesh),
+        shardings_for(abstract.opt, rules.opt, plan.mesh),
     )
-    return graphdef, abstract, shardings
+    return abstract, shardings
+
+
+def state_shardings(plan: Plan):
+    """(graphdef, abstract TrainState, TrainState of NamedShardings) without allocating: the
+    stored state, its stacked layers in the plan's storage order (padded for uneven stages)."""
+    graphdef, params = abstract_model(plan.cfg.model, plan.layer_order)
+    if plan.padded:
+        params = jax.eval_shape(lambda p: reorder(p, plan, to_canonical=False), params)
+    return (graphdef, *_state(plan, params, plan.rules))
+
+
+def canonical_state(plan: Plan):
+    """(abstract TrainState, shardings) of the canonical [L, ...] state that checkpoints hold:
+    the stored one, but for uneven stages (see `ZeroRules.canonical`)."""
+    if not plan.padded:
+        return state_shardings(plan)[1:]
+    _, params = abstract_model(plan.cfg.model)
+    return _state(plan, params, plan.rules.canonical())
 
 
 def reorder(state, plan: Plan, to_canonical: bool):
@@ -81,9 +96,12 @@ def init_state(plan: Plan, shardings: TrainState) -> TrainState:
 # forward: the model's parts composed with the schedule
 
 def _layer_remat(policy: str) -> str:
-    """The per-layer remat policy: `stage` checkpoints whole stages (and, inside the recompute
-    of one, keeps everything of its layers)."""
-    return "none" if policy == "stage" else policy
+    """The per-layer remat policy: `stage` checkpoints whole stages and, while the backward
+    recomputes one, keeps each layer's input alone (each layer is then recomputed again for
+    its own backward): the least memory -- one stage input per tick, one layer's working set --
+    for two extra forward passes. Inside the recompute, keeping every layer's residuals instead
+    would hold a whole stage's attention scores at once (34 GB for LLaMA-3 405B at seq 8192)."""
+    return "full" if policy == "stage" else policy
 
 
 def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
@@ -103,7 +121,11 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
         inner = inner.with_(length=None, res_length=res[0] if res else None)
     attend = attention.select(plan.attention, seq_axis, plan.mesh, manual=True)
     model = nnx.merge(graphdef, params)
-    stage = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
+    layers = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
+
+    def stage(chunk, x, consts, active):
+        return layers(chunk, x, consts, active)
+
     rope = model.rope(positions)
     io = nnx.State({k: v for k, v in params.items() if k != "blocks"})
 
@@ -121,7 +143,8 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     with activation_rules(inner, None, grads):
         return pipeline.run(params["blocks"], io, (inputs, labels), rope, plan.schedule,
                             rules.compute["layers"], plan.mesh, first=first, stage=stage,
-                            last=last, batch_axis=batch_axis, seq_axis=seq_axis,
+                            last=last, active=plan.active, batch_axis=batch_axis,
+                            seq_axis=seq_axis,
                             stage_remat=par.remat == "stage")
 
 

@@ -152,8 +152,9 @@ STATIC_CASES = [
      "train.seq_len"),
     ("dmodel-not-div-data-zero", ["mesh.data=3", "mesh.tensor=1", "train.global_batch=30",
                                   "parallel.zero_stage=1"], "model.d_model"),
-    ("layers-not-div-stages", ["mesh.stage=3"], "model.num_layers"),
-    ("layers-not-div-stage-repeats", ["mesh.stage=2", "parallel.pipeline_repeats=4"],
+    # uneven stages are fine (4 layers on 3 stages), a stage without a layer is not
+    ("layers-fewer-than-stages", ["mesh.stage=3", "model.num_layers=2"], "model.num_layers"),
+    ("layers-fewer-than-stage-repeats", ["mesh.stage=2", "parallel.pipeline_repeats=4"],
      "model.num_layers"),
     ("repeats-without-pipeline", ["parallel.pipeline_repeats=2", "model.num_layers=4"],
      "parallel.pipeline_repeats"),

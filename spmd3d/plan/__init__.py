@@ -35,7 +35,7 @@ class Plan:
     rules: ZeroRules
     schedule: Schedule | None  # the pipeline over `stage`, or None
     accum_steps: int  # microbatches accumulated one after another (1 with a pipeline)
-    layer_order: tuple  # storage position -> canonical layer index
+    layer_order: tuple  # storage position -> canonical layer index (-1: a padding slot)
     seq_order: tuple | None  # global position at each place of the token layout (zig-zag)
     attention: str  # an `attention.KINDS` name
 
@@ -88,6 +88,16 @@ class Plan:
         return self.schedule is not None
 
     @property
+    def padded(self) -> bool:
+        """Whether the stored stack has padding slots (stage x repeats does not divide L)."""
+        return min(self.layer_order) < 0
+
+    @property
+    def active(self):
+        """Which stored layer slots hold a layer (a tuple of bools), or None without padding."""
+        return tuple(i >= 0 for i in self.layer_order) if self.padded else None
+
+    @property
     def canonical_layers(self) -> bool:
         """Whether the stored layer order is the canonical one (no circular pipeline)."""
         return self.layer_order == tuple(range(len(self.layer_order)))
@@ -124,7 +134,7 @@ class Plan:
         lines = [f"mesh {dict(self.mesh.shape)}, ZeRO-{par.zero_stage}, "
                  f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"]
         if self.schedule:
-            lines.append(self.schedule.describe(cfg.model.num_layers))
+            lines.append(self.schedule.describe(self.layer_order))
         elif self.accum_steps > 1:
             lines.append(f"gradient accumulation over {self.accum_steps} microbatches")
         return "\n".join(lines)

@@ -3,7 +3,6 @@ config on its cluster, and with `--compile` what its step needs per device (`foo
 
 from __future__ import annotations
 
-import json
 import sys
 
 from .. import cli
@@ -45,10 +44,8 @@ def _run(args: cli.Args) -> int:
         _, cut = footprint.compiled_layout(plan.cfg, plan.num_devices)
         simulate(plan.num_devices // cut)
         record.update(footprint.measure(plan.cfg, topology))
-        print("\n".join(footprint.format_report(record)), flush=True)
-    if args.flags.get("--json"):
-        print(json.dumps(record), flush=True)
-    return 0
+    lines = footprint.format_report(record) if "compiled" in record else []
+    return cli.report("\n".join(lines), record, bool(args.flags.get("--json")))
 
 
 def main(argv: list[str] | None = None) -> int:
