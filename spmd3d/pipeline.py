@@ -1,16 +1,16 @@
 """Pipeline parallelism over the `stage` mesh axis: a microbatched schedule as one `lax.scan`.
 
-`stage_fn(chunk_params, x)` applies one chunk of layers and knows nothing of microbatches; the
-schedule here owns the ticks, the shift between stages and the bubble.
+`stage(chunk, x)` applies one chunk of layers and knows nothing of microbatches; the schedule
+here owns the ticks, the shift between stages and the bubble.
 
-GPipe order with circular repeats: the L layers form v·p chunks of c = L/(v·p) layers, and
+GPipe order with circular repeats: the L layers form v·p chunks of about L/(v·p) layers, and
 chunk k lives on stage k mod p. Work item w = r·m + i is microbatch i in repeat r; stage s
 handles it at tick w + s. At each of the v·m + p − 1 ticks every stage runs its chunk on what
 it holds (idle stages compute on stale data: the bubble is real compute in SPMD), then
-activations shift one stage along the ring with `ppermute`. Stage 0 feeds work item t from slot
-t mod m of its buffer, which starts as the microbatches and collects what comes back from the
-last stage: the next repeat's input and, after the last repeat, the outputs. Autodiff of the
-scan is the backward pipeline. The bubble is (p − 1)/(v·m + p − 1).
+activations shift one stage along the ring with `ppermute`. Stage 0 embeds microbatch t at
+tick t of the first repeat, and later takes what came back from the last stage (a wrap-around
+slot per microbatch); the last stage computes a microbatch's loss when it leaves its last
+repeat. Autodiff of the scan is the backward pipeline. The bubble is (p − 1)/(v·m + p − 1).
 """
 
 from __future__ import annotations
@@ -136,9 +136,10 @@ def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, s
     `xs`: per-example arrays [B, ...] (tokens and labels), cut into m microbatches (microbatch
     j holds rows j, j+m, ...: each data shard keeps its own rows); `consts`: [1, T, ...] arrays
     (RoPE tables); `active`: None, or which stored layer slots hold a layer (uneven stages:
-    `stage` leaves its input unchanged in a padding slot). Stage 0 computes `first(blocks, io, xs_mb) -> x` (the embedding) for each
-    microbatch the tick it enters; every stage applies `stage(chunk, x, consts, active) -> x` to its
-    chunk of layers; the last stage computes `last(blocks, io, x, xs_mb) -> scalar` (head and
+    `stage` leaves its input unchanged in a padding slot). Stage 0 computes
+    `first(blocks, io, xs_mb) -> x` (the embedding) for each microbatch the tick it enters;
+    every stage applies `stage(chunk, x, consts, active) -> x` to its chunk of layers; the last
+    stage computes `last(blocks, io, x, xs_mb) -> scalar` (head and
     loss) the tick a microbatch leaves its last repeat. So no [m, mb, T, D] buffer of
     activations exists (but the wrap-around slots of a circular pipeline), and one
     microbatch's logits are alive at a time. (`blocks` reach `first` and `last` as this
