@@ -19,19 +19,11 @@ saved activations are the rest of the temporaries (what the backward keeps, and 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 
-from .config import Config
+from .config import Config, ConfigError
 
 MAX_SIMULATED = 2048
-
-
-def devices_needed(cfg: Config, topology) -> int:
-    """The device count of the config's layout (`mesh.data=-1`: the topology's whole cluster)."""
-    sizes = cfg.mesh.sizes()
-    fixed = sizes["stage"] * sizes["tensor"] * sizes["seq"]
-    return topology.num_devices if sizes["data"] == -1 else fixed * sizes["data"]
 
 
 def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
@@ -40,12 +32,13 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
     m = cfg.model
     model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
                     param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype)
-    data = devices // (cfg.mesh.stage * cfg.mesh.tensor * cfg.mesh.seq)
-    cut = 1
-    while (devices // cut) > MAX_SIMULATED or data % cut:
-        cut += 1
-        if cut > data:
-            raise ValueError(f"{devices} devices: stage*tensor*seq alone exceeds {MAX_SIMULATED}")
+    fixed = cfg.mesh.stage * cfg.mesh.tensor * cfg.mesh.seq
+    data = devices // fixed
+    cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED),
+               None)
+    if cut is None:
+        raise ConfigError("mesh", f"stage*tensor*seq = {fixed} devices alone exceed the "
+                                  f"{MAX_SIMULATED} that XLA:CPU can simulate for --compile")
     mesh = replace(cfg.mesh, data=data // cut, simulated_devices=0)
     train = replace(cfg.train, global_batch=cfg.train.global_batch // cut)
     return replace(cfg, model=model, mesh=mesh, train=train), cut
@@ -93,24 +86,18 @@ def working_terms(plan) -> dict:
 def measure(cfg: Config, topology) -> dict:
     """Compile `cfg`'s step for its layout and return the report's record (see `format`)."""
     import jax
-    import numpy as np
 
-    from . import hlo, store
+    from . import hlo
     from .plan import Plan
-    from .step import make_train_step, state_shardings
+    from .step import compile_step, make_train_step, state_shardings
 
     real = Plan.resolve(cfg, topology=topology)
     n = real.num_devices
     compile_cfg, cut = compiled_layout(real.cfg, n)
     plan = Plan.resolve(compile_cfg, jax.devices()[: n // cut], topology=topology)
     graphdef, abstract, shardings = state_shardings(plan)
-    step = make_train_step(plan, graphdef, shardings)
-    t = plan.cfg.train
-    batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
-                                 sharding=plan.batch_sharding)
-    start = time.perf_counter()
-    compiled = step.lower(store.abstract_like(abstract, shardings), batch).compile()
-    seconds = time.perf_counter() - start
+    compiled, seconds = compile_step(plan, make_train_step(plan, graphdef, shardings),
+                                     abstract, shardings)
 
     mem = hlo.memory(compiled)
     terms_real, terms_compiled = state_terms(real), state_terms(plan)

@@ -7,7 +7,6 @@ command's loop), `bench.py` and `api.py` all start here, so they run the same co
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -70,7 +69,8 @@ class Job:
 
     def reorder(self, state, to_canonical: bool):
         """Between the stored layer order (a circular pipeline keeps each stage's chunks
-        together) and the canonical [L, ...] order that checkpoints hold; same shardings."""
+        together; uneven stages pad) and the canonical [L, ...] order that checkpoints hold, in
+        the stored shardings or the canonical ones (`step.canonical_state`)."""
         if self.plan.canonical_layers:
             return state
         return self._reorders[int(to_canonical)](state)
@@ -87,13 +87,9 @@ class Job:
 
     def compile(self):
         """AOT-compile the step for this job's shapes and shardings; returns (compiled, seconds)."""
-        t = self.cfg.train
-        state = store.abstract_like(self.abstract, self.shardings)
-        batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
-                                     sharding=self.batch_sharding)
-        start = time.perf_counter()
-        compiled = self.step_fn.lower(state, batch).compile()
-        return compiled, time.perf_counter() - start
+        from .step import compile_step
+
+        return compile_step(self.plan, self.step_fn, self.abstract, self.shardings)
 
 
 def setup(cfg: Config | Plan, devices=None) -> Job:

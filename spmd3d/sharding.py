@@ -107,9 +107,11 @@ class ZeroRules:
         stages): L does not split over `stage` evenly, so `layers` stays whole and `embed` and
         `norm` (the model width, in every stacked parameter) take `stage` as well. Used to hand
         checkpoints their canonical arrays, per device no larger than the stored ones."""
+        def plus(axes):
+            return STAGE if axes is None else (*(axes if isinstance(axes, tuple) else (axes,)),
+                                               STAGE)
+
         def add_stage(rules: Rules) -> Rules:
-            def plus(axes):
-                return STAGE if axes is None else (*(axes if isinstance(axes, tuple) else (axes,)), STAGE)
             return rules.with_(layers=None, embed=plus(rules["embed"]), norm=plus(rules["norm"]))
 
         return ZeroRules(self.compute, add_stage(self.params), add_stage(self.grads),

@@ -82,3 +82,18 @@ def test_gpt3_layout_planned_in_a_one_device_process():
     assert got == {"devices": 1, "mesh": {"data": 8, "stage": 16, "tensor": 8, "seq": 1},
                    "ticks": 192 + 16 - 1, "accum": 1,
                    "w_down": ["stage", "tensor", None], "embed": ["tensor", None]}
+
+
+def test_compile_beyond_what_cpu_simulates_exits_2(capsys):
+    """4096 devices outside the data axis cannot be cut down to 2048: one line, exit 2."""
+    from spmd3d.plan.__main__ import main
+
+    argv = ["model.num_layers=64", "model.num_heads=64", "model.num_kv_heads=64",
+            "model.d_model=4096", "model.d_ff=8192", "model.vocab_size=512", "mesh.stage=64",
+            "mesh.tensor=64", "mesh.data=1", "mesh.allow_cross_host=true",
+            "mesh.topology=dgx_h100_128", "train.microbatches=64", "train.global_batch=64",
+            "--compile"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: mesh: stage*tensor*seq = 4096 devices alone exceed the 2048 that "
+                   "XLA:CPU can simulate for --compile"]
