@@ -156,10 +156,16 @@ def report(text: str, record: dict, as_json: bool) -> int:
     return 0
 
 
+class Failure(RuntimeError):
+    """A run that failed for a reason its one line says (exit status 1, no traceback)."""
+
+
 def run(command: Command, argv: list[str] | None, body: Callable[[Args], int | None]) -> int:
     """The whole `main` of a command: `--help`/`-h` prints help (exit 0) before anything else;
     otherwise `body(parse(...))` whose int (None: 0) is the exit status. A ConfigError or
-    DataError becomes one line, `error: <field>: <message>`, on stderr and exit status 2."""
+    DataError (and a step that cannot fit) becomes one line, `error: <field>: <message>`, on
+    stderr and exit status 2; a `Failure` (an out-of-memory error while running), one line and
+    status 1."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         try:
@@ -172,4 +178,7 @@ def run(command: Command, argv: list[str] | None, body: Callable[[Args], int | N
     except (ConfigError, DataError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
+    except Failure as e:
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        return 1
     return 0 if status is None else int(status)

@@ -80,6 +80,11 @@ class ParallelConfig:
     # no per-layer copies into stacked residual buffers and scheduling across layers, for
     # compile time that grows with depth -- a win for small, shallow models (see bench_small)
     scan_layers: bool = doc(True, "one compiled layer in a lax.scan; false: layers unrolled")
+    zero3_gather: str = doc("step", "ZeRO-3 with a pipeline: gather each stage's layers once "
+                                    "per step (step) or per layer at every tick (tick: less "
+                                    "memory, stage weights x3 per tick over data)")
+    loss_chunk: int = doc(1024, "tokens per device whose logits exist at once in the head "
+                                "and loss (pieces in a loop); 0: all at once")
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ class RunConfig:
     dir: str = doc("runs/demo", "config, metrics, checkpoints; one with checkpoints resumes")
     log_every: int = doc(1, "print a metrics line every N steps")
     explain: bool = doc(False, "print where every parameter lives")
+    memory_check: bool = doc(True, "refuse a step that needs more memory than a device has, "
+                                   "before the first step")
 
 
 @dataclass(frozen=True)
@@ -316,6 +323,8 @@ def validate(cfg: Config) -> None:
 
     _need(par.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "must be 0, 1, 2 or 3")
     _need(par.pipeline_repeats >= 1, "parallel.pipeline_repeats", "must be >= 1")
+    _need(par.zero3_gather in ("step", "tick"), "parallel.zero3_gather", "must be step or tick")
+    _need(par.loss_chunk >= 0, "parallel.loss_chunk", "must be >= 0 (0: no chunks)")
     _need(par.remat in REMAT_POLICIES, "parallel.remat",
           f"must be one of {', '.join(REMAT_POLICIES)}")
     _need(m.num_layers >= mesh.stage * par.pipeline_repeats, "model.num_layers",

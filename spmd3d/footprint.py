@@ -11,8 +11,10 @@ Two departures from the real run, each stated in the report:
   ZeRO-sharded state, and gradients under ZeRO-2/3) are scaled back to the real axis.
 
 The breakdown: parameters and optimizer state are the arguments' exact shard sizes; gradients
-are the fp32 gradient tree's shards; pipeline buffers are a circular pipeline's wrap-around
-slots; logits/loss is one microbatch's fp32 logits, their softmax and the labels' one-hot;
+are the fp32 gradient tree's shards; pipeline buffers are the microbatches a stage feeds in
+and collects, its belt and a circular pipeline's wrap-around slots; logits/loss is one piece
+of the chunked loss: its fp32 logits, their softmax and the labels' one-hot; layers gathered
+for the step are ZeRO-3's stage weights and their gradient under a pipeline;
 saved activations are the rest of the temporaries (what the backward keeps, and transients).
 """
 
@@ -69,18 +71,54 @@ def state_terms(plan) -> dict:
 
 
 def working_terms(plan) -> dict:
-    """Per-device bytes of a circular pipeline's wrap-around slots and of one microbatch's
-    logits, softmax and one-hot."""
+    """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
+    collects, its belt and a circular pipeline's wrap-around slots) and of one piece of the
+    loss (its logits, softmax and one-hot, fp32)."""
+    from .model import loss_chunks
+
     cfg, mesh = plan.cfg, plan.mesh.shape
     t, m = cfg.train, cfg.model
     micro = plan.schedule.microbatches if plan.schedule else plan.accum_steps
     rows = t.global_batch // micro // mesh["data"]
-    tokens = rows * t.seq_len // mesh["seq"]
+    row = rows * t.seq_len // mesh["seq"]  # tokens of one microbatch on a device
     itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
-    slots = 0
-    if plan.schedule and plan.schedule.repeats > 1:
-        slots = micro * tokens * m.d_model * itemsize
-    return {"pipeline_buffers": slots, "logits_loss": 3 * tokens * m.vocab_size // mesh["tensor"] * 4}
+    buffers, tokens = 0, row
+    if plan.schedule:
+        slots = -(-micro // plan.schedule.stages)
+        buffers = (2 * slots + 2 + (micro if plan.schedule.repeats > 1 else 0)) * row * m.d_model
+        tokens = slots * row
+    piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
+    return {"pipeline_buffers": buffers * itemsize,
+            "logits_loss": 3 * piece * m.vocab_size // mesh["tensor"] * 4,
+            "gathered_layers": _gathered_layers(plan)}
+
+
+TEMPORARY_KINDS = ("gradients", "pipeline_buffers", "logits_loss", "gathered_layers")
+
+
+def by_kind(plan, temp_bytes: int, state: dict | None = None) -> dict:
+    """Per-device bytes by kind: the state terms, the working terms, and saved activations
+    (and transients): the temporaries the other kinds leave."""
+    kinds = {**(state or state_terms(plan)), **working_terms(plan)}
+    kinds["saved_activations"] = max(temp_bytes - sum(kinds[k] for k in TEMPORARY_KINDS), 0)
+    return kinds
+
+
+def _gathered_layers(plan) -> int:
+    """ZeRO-3 with a pipeline (`parallel.zero3_gather=step`): the stage's layers gathered over
+    data for the step, and their fp32 gradient accumulator."""
+    import jax
+
+    from .sharding import shardings_for
+    from .step import state_shardings
+
+    if not (plan.schedule and plan.rules.params_over_batch
+            and plan.cfg.parallel.zero3_gather == "step"):
+        return 0
+    blocks = state_shardings(plan)[1].params["blocks"]
+    whole = shardings_for(blocks, plan.rules.compute, plan.mesh)
+    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, "float32"), blocks)
+    return shard_bytes(blocks, whole) + shard_bytes(grads, whole)
 
 
 def measure(cfg: Config, topology) -> dict:
@@ -108,10 +146,7 @@ def measure(cfg: Config, topology) -> dict:
                     "temp_bytes": mem["temp_bytes"] + delta_temp,
                     "output_bytes": mem["output_bytes"] + delta_args,
                     "alias_bytes": mem["alias_bytes"] + delta_args}
-    work = working_terms(plan)
-    kinds = {**terms_real, **work}
-    kinds["saved_activations"] = compiled_rec["temp_bytes"] - sum(
-        kinds[k] for k in ("gradients", "pipeline_buffers", "logits_loss"))
+    kinds = by_kind(plan, compiled_rec["temp_bytes"], terms_real)
     colls = hlo.collectives(compiled.as_text(), plan.mesh.shape)
     counts, nbytes = hlo.summary(colls), hlo.bytes_by_axes(colls)
     return {
@@ -149,7 +184,9 @@ def format_report(r: dict) -> list[str]:
         f"  temporaries {_gb(c['temp_bytes'])}   gradients {_gb(k['gradients']).strip()},"
         f" saved activations and transients {_gb(k['saved_activations']).strip()},"
         f" logits/loss {_gb(k['logits_loss']).strip()},"
-        f" pipeline buffers {_gb(k['pipeline_buffers']).strip()}",
+        f" pipeline buffers {_gb(k['pipeline_buffers']).strip()}"
+        + (f", layers gathered for the step {_gb(k['gathered_layers']).strip()}"
+           if k.get("gathered_layers") else ""),
         f"  outputs     {_gb(c['output_bytes'])}   (aliased to the donated state: "
         f"{_gb(c['alias_bytes']).strip()})",
         f"  needed      {_gb(r['needed_bytes'])}   arguments + temporaries; a device of "

@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from .attention import causal_attention
 from .config import ModelConfig
 from .pipeline import unroll
-from .sharding import Param, constrain, current_layout, is_param_relayout, use_param
+from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
+                       use_param)
 
 # What the backward pass may keep from the forward pass of a layer. Weights as used (cast and,
 # under ZeRO-3, all-gathered) are never kept: the backward gathers them again, so a layer's
@@ -60,10 +61,22 @@ class RMSNorm(nnx.Module):
         self.scale = Param(jnp.ones((cfg.d_model,), cfg.param_dtype), axes=("norm",))
 
     def __call__(self, x_btd):
-        # statistics in fp32 whatever the compute dtype
-        x = x_btd.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * _use(self.scale, jnp.float32)).astype(x_btd.dtype)
+        return rms_norm(x_btd, _use(self.scale, jnp.float32), self.eps)
+
+
+def rms_norm(x, scale_d, eps: float):
+    """x / rms(x) * scale over the last dim; statistics in fp32 whatever the compute dtype."""
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+    return (y * scale_d).astype(x.dtype)
+
+
+def loss_chunks(tokens: int, chunk: int) -> int:
+    """How many pieces the head and loss cut a device's `tokens` into: the fewest that divide
+    them evenly with at most `chunk` tokens each (0: one piece)."""
+    if chunk <= 0 or tokens <= chunk:
+        return 1
+    return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
 
 
 def rope_tables(positions_bt, head_dim: int, theta: float):
@@ -103,23 +116,29 @@ def embed_lookup(table_vd, ids_bt):
 
     A plain gather on a vocab-sharded table makes XLA replicate the table (and all-gather the
     gradient); instead each shard looks up the ids it owns, zeros the rest, and one psum over
-    the vocab axis combines them (per-device view inside a shard_map manual over that axis).
+    the vocab axis combines them. Manual over the batch and length axes as well: the
+    gradient is then a scatter-add of each device's own rows and one sum of the table's
+    gradient over them (left to XLA, it gathers every device's [B, T, D] cotangent first).
     """
     layout = current_layout()
     axis = None if layout is None else layout.compute["vocab"]
     mesh = None if layout is None else (layout.mesh or jax.sharding.get_abstract_mesh())
     if axis is None or mesh.shape[axis] == 1:
         return jnp.take(table_vd, ids_bt, axis=0)
+    rows, cols = layout.compute["batch"], layout.compute["length"]
 
     def lookup(table, ids):
         v = table.shape[0]
         local = ids - jax.lax.axis_index(axis) * v
-        mine = (local >= 0) & (local < v)
-        rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
-        return jax.lax.psum(jnp.where(mine[..., None], rows, 0), axis)
+        mine = ((local >= 0) & (local < v)).astype(table.dtype)[..., None]
+        # a product with a [B, T, 1] mask: the backward keeps that and the ids, no [B, T, D]
+        rows = jnp.take(table, jnp.clip(local, 0, v - 1), axis=0) * mine
+        return jax.lax.psum(rows, axis)
 
-    return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P()), out_specs=P(),
-                         axis_names={axis})(table_vd, ids_bt)
+    manual = {axis} | {a for names in (rows, cols) if names is not None
+                       for a in (names if isinstance(names, tuple) else (names,))}
+    return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P(rows, cols)),
+                         out_specs=P(rows, cols, None), axis_names=manual)(table_vd, ids_bt)
 
 
 class Attention(nnx.Module):
@@ -261,16 +280,70 @@ class Transformer(nnx.Module):
                                 preferred_element_type=jnp.float32)
             return constrain(logits, ("batch", "length", "vocab"))
 
-    def loss(self, x_btd, labels_bt):
-        """(summed next-token cross-entropy in fp32, token count) of the final activations."""
-        logits_btv = self.logits(x_btd)
-        with jax.named_scope("loss"):
-            logp = jax.nn.log_softmax(logits_btv, axis=-1)
-            # a one-hot contraction keeps the vocab dim sharded (a gather would all-gather logits)
-            onehot = constrain(jax.nn.one_hot(labels_bt, logits_btv.shape[-1], dtype=logp.dtype),
-                               ("batch", "length", "vocab"))
-            nll = -jnp.sum(logp * onehot, axis=-1)
-            return jnp.sum(nll), nll.size
+    def loss(self, x_btd, labels_bt, chunk: int = 0):
+        """(summed next-token cross-entropy in fp32, count of labels) of the final activations;
+        a label < 0 (padding) counts for nothing.
+
+        Vocab-parallel and chunked: the logits stay split over `vocab` (the log-sum-exp and the
+        label's logit are sums over it, all-reduces of per-token numbers, never a gather of
+        logits), and each device cuts its tokens into `loss_chunks` pieces of at most `chunk`,
+        run one after another, each recomputed in the backward: [chunk, V_tensor] fp32 logits
+        and their one-hot exist at a time, not [B, T, V]. The pieces loop per device (manual
+        over the batch and sequence axes), the head and norm turned device-varying before it:
+        their gradients are summed over those axes once, after the loop, not once per piece.
+        Equal to the unchunked loss up to float summation order (tests)."""
+        eps, f32 = self.cfg.norm_eps, jnp.float32
+        scale = _use(self.final_norm.scale, f32)
+        head = _use(self.head, self.cfg.dtype)  # cast (and gathered) once, not per piece
+
+        def local(x, labels, scale, head):  # one device's tokens, or all of them
+            n = loss_chunks(labels.size, chunk)
+            x = constrain(x, (None, None, "embed")).reshape((n, -1, x.shape[-1]))
+
+            def piece(total, xl):
+                x, labels = xl
+                with jax.named_scope("head"):
+                    logits = jnp.einsum("nd,dv->nv", rms_norm(x, scale, eps), head,
+                                        preferred_element_type=f32)
+                    logits = constrain(logits, (None, "vocab"))
+                with jax.named_scope("loss"):
+                    lse = jax.nn.logsumexp(logits, axis=-1)
+                    # the label's logit as a one-hot contraction: the vocab dim stays split
+                    onehot = constrain(jax.nn.one_hot(labels, logits.shape[-1], dtype=f32),
+                                       (None, "vocab"))
+                    picked = jnp.sum(logits * onehot, axis=-1)
+                    return total + jnp.sum(jnp.where(labels >= 0, lse - picked, 0.0)), None
+
+            # the backward keeps the input alone (one piece's logits at a time), or with one
+            # piece the logits too (no second head matmul); never the [N, D] normed copies
+            policies = jax.checkpoint_policies
+            piece = jax.checkpoint(piece, prevent_cse=False, policy=policies.nothing_saveable
+                                   if n > 1 else policies.dots_with_no_batch_dims_saveable)
+            total = jnp.zeros_like(labels, f32, shape=())  # typed like the labels (varying)
+            return jax.lax.scan(piece, total, (x, labels.reshape(n, -1)), unroll=unroll())[0]
+
+        layout = current_layout()
+        mesh = None if layout is None else (layout.mesh or jax.sharding.get_abstract_mesh())
+        rows, cols = (None, None) if layout is None else (layout.compute["batch"],
+                                                          layout.compute["length"])
+        manual = tuple(a for names in (rows, cols) if names is not None
+                       for a in (names if isinstance(names, tuple) else (names,))
+                       if mesh.shape[a] > 1)
+        if not manual:  # one device's tokens are all of them
+            return local(x_btd, labels_bt, scale, head), labels_bt.size
+        inner = layout.compute.with_(batch=None, length=None, res_length=None)
+        rows, cols = (tuple(a for a in (n if isinstance(n, tuple) else (n,)) if a in manual)
+                      or None for n in (rows, cols))
+
+        def per_device(x, labels, scale, head):
+            scale, head = jax.lax.pcast((scale, head), manual, to="varying")
+            with activation_rules(inner, None):
+                return jax.lax.psum(local(x, labels, scale, head), manual)
+
+        total = jax.shard_map(per_device, mesh=mesh, axis_names=set(manual),
+                              in_specs=(P(rows, cols, None), P(rows, cols), P(), P()),
+                              out_specs=P())(x_btd, labels_bt, scale, head)
+        return total, labels_bt.size
 
     def canonical_blocks(self):
         """The stacked block parameters in canonical layer order."""

@@ -7,10 +7,13 @@ GPipe order with circular repeats: the L layers form v·p chunks of about L/(v·
 chunk k lives on stage k mod p. Work item w = r·m + i is microbatch i in repeat r; stage s
 handles it at tick w + s. At each of the v·m + p − 1 ticks every stage runs its chunk on what
 it holds (idle stages compute on stale data: the bubble is real compute in SPMD), then
-activations shift one stage along the ring with `ppermute`. Stage 0 embeds microbatch t at
-tick t of the first repeat, and later takes what came back from the last stage (a wrap-around
-slot per microbatch); the last stage computes a microbatch's loss when it leaves its last
-repeat. Autodiff of the scan is the backward pipeline. The bubble is (p − 1)/(v·m + p − 1).
+activations shift one stage along the ring with `ppermute`. The embedded microbatches come in,
+and the finished ones go out, through buffers split over the stages (m/p microbatches each)
+and a belt moving the other way round the ring: stage 0 starts microbatch t at tick t of the
+first repeat, and later takes what came back from the last stage (a wrap-around slot per
+microbatch). The embedding before and the head and loss after run outside, once per
+microbatch in all. Autodiff of the scan is the backward pipeline. The bubble is
+(p − 1)/(v·m + p − 1).
 """
 
 from __future__ import annotations
@@ -55,6 +58,22 @@ class Schedule:
     @property
     def bubble(self) -> float:
         return (self.stages - 1) / self.ticks
+
+    def feed(self) -> np.ndarray:
+        """[n, p]: the microbatch stage s holds in input slot j (-1: none), n = ceil(m/p):
+        microbatch i on stage i mod p, so that stage 0 finds it on the belt at tick i."""
+        p, m = self.stages, self.microbatches
+        i = np.arange(-(-m // p) * p).reshape(-1, p)
+        return np.where(i < m, i, -1)
+
+    def collect(self) -> np.ndarray:
+        """[n, p]: the microbatch stage s keeps in output slot j (-1: none): the belt carries
+        microbatch i back from the last stage for as many ticks as later microbatches remain
+        to finish, at most p - 1, so it stops at stage p - 1 - (m - 1 - i) mod p."""
+        p, m = self.stages, self.microbatches
+        j, s = np.arange(-(-m // p))[:, None], np.arange(p)[None, :]
+        i = m - 1 - (j * p + p - 1 - s)
+        return np.where(i >= 0, i, -1)
 
     def describe(self, order) -> str:
         """The schedule and, per stage, the canonical layers of each of its chunks, from the
@@ -126,27 +145,33 @@ def _vary(x, axes):
     return jax.lax.pcast(x, todo, to="varying") if todo else x
 
 
-def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, stage, last,
-        active=None, batch_axis=None, seq_axis=None, stage_remat: bool = False):
-    """The summed `last` of every microbatch of `xs`, each carried through all layers by the
-    pipeline: the training forward pass, whose autodiff is the backward pipeline.
+def _select(pred, a, b):
+    """`a` where the scalar `pred` holds, else `b`: the predicate stays a scalar (jnp.where
+    would broadcast it, and the backward would keep that [mb, T, D] mask per tick)."""
+    return jax.tree.map(lambda x, y: jax.lax.select_n(pred, y, x), a, b)
 
-    `blocks`: the stacked layer parameters in storage order ([L, ...] leaves); `io`: the
-    parameters of `first` and `last` (the embedding, head and final norm), whole on every stage;
-    `xs`: per-example arrays [B, ...] (tokens and labels), cut into m microbatches (microbatch
-    j holds rows j, j+m, ...: each data shard keeps its own rows); `consts`: [1, T, ...] arrays
-    (RoPE tables); `active`: None, or which stored layer slots hold a layer (uneven stages:
-    `stage` leaves its input unchanged in a padding slot). Stage 0 computes
-    `first(blocks, io, xs_mb) -> x` (the embedding) for each microbatch the tick it enters;
-    every stage applies `stage(chunk, x, consts, active) -> x` to its chunk of layers; the last
-    stage computes `last(blocks, io, x, xs_mb) -> scalar` (head and
-    loss) the tick a microbatch leaves its last repeat. So no [m, mb, T, D] buffer of
-    activations exists (but the wrap-around slots of a circular pipeline), and one
-    microbatch's logits are alive at a time. (`blocks` reach `first` and `last` as this
-    stage's local chunks, so that a caller can rebuild its module from `blocks` and `io`.)
+
+def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, active=None,
+        batch_axis=None, seq_axis=None, stage_remat: bool = False):
+    """Every microbatch of `x_in` carried through all layers by the pipeline: the training
+    forward pass, whose autodiff is the backward pipeline.
+
+    `x_in`, and what comes back, are [p, mb, n, T, D] buffers split over the stage axis:
+    stage s holds the microbatches `Schedule.feed()[:, s]` of the input and
+    `Schedule.collect()[:, s]` of the output, m/p each (slot j at [s, :, j]), so the embedding before and the head
+    and loss after run once per microbatch in all, spread over the stages, instead of once per
+    tick on every stage (see `step._pipelined_loss`). Inside, a belt moving one stage back each
+    tick brings stage 0 the microbatch it starts (each stage puts its next one on the belt every
+    p ticks) and takes each finished one from the last stage to the stage that keeps it (no
+    drain ticks: the stage a microbatch stops at is where the belt has carried it by then).
+
+    `blocks`: the stacked layer parameters in storage order ([L, ...] leaves); `consts`:
+    [1, T, ...] arrays (RoPE tables); `active`: None, or which stored layer slots hold a layer
+    (uneven stages: `stage` leaves its input unchanged in a padding slot). Every stage applies
+    `stage(chunk, x, consts, active) -> x` to its chunk of layers at every tick.
 
     Per-device view inside a shard_map manual over `axis` (the stage axis) and, if given,
-    `batch_axis` (the data axis, when the weights are not sharded over it) and `seq_axis` (the
+    `batch_axis` (the data axis; the weights must not be split over it) and `seq_axis` (the
     ring axis, when T is split); other mesh axes stay automatic, so tensor sharding propagates
     through unchanged. With the data axis manual, the weights turn data-varying once, before
     the tick loop: the transpose of that cast is the one gradient all-reduce over data, after
@@ -158,17 +183,15 @@ def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, s
     chunk is picked by a traced repeat index; saved, that pick would be a copy of a chunk's
     weights per tick, so the pick and the stage are recomputed in the backward from the tick's
     input (a stage-level checkpoint), which `stage_remat` (`parallel.remat=stage`) also asks
-    for with v = 1: then each tick keeps only its stage's input.
+    for with v = 1: then each tick keeps only its stage's input. The belt and the buffers are
+    moved by linear operations only, so the backward keeps nothing of them per tick.
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     # [L, ...] -> [p, v, c, ...]: stage-major storage, so dim 0 splits over the stage axis
     chunks = jax.tree.map(lambda a: a.reshape((p, v, a.shape[0] // (p * v)) + a.shape[1:]), blocks)
-    micro = jax.tree.map(lambda a: a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1), xs)
-    ring = [(s, (s + 1) % p) for s in range(p)]
-
+    ahead = [(s, (s + 1) % p) for s in range(p)]
+    back = [(s, (s - 1) % p) for s in range(p)]
     remat = jax.checkpoint_policies.nothing_saveable
-    stage_level = stage_remat or v > 1
-
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v, -1))
 
     def run_stage(chunks, inp, r, consts):
@@ -176,79 +199,58 @@ def run(blocks, io, xs, consts, schedule: Schedule, axis: str, mesh, *, first, s
         mask = None if on is None else on[jax.lax.axis_index(axis), r]
         return stage(chunk, inp, consts, mask)
 
-    def per_stage(chunks, io, micro, consts):
-        # chunks[1, v, c, ...]: this stage's v chunks; micro[m, mb, ...]: every microbatch
-        chunks = jax.tree.map(lambda a: a[0], chunks)
-        # `io` turns stage-varying here, once: the transpose of this cast is the one sum over
-        # the stages of its gradient, after the backward loop, not one per tick
-        io = jax.lax.pcast(io, axis, to="varying")
+    if stage_remat or v > 1:
+        run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=remat)
+
+    def per_stage(chunks, x_in, consts):
+        # chunks[1, v, c, ...]: this stage's v chunks; x_in[1, mb, n, T, D]: its microbatches
+        chunks, x_in = jax.tree.map(lambda a: a[0], chunks), x_in[0]
+        n = x_in.shape[1]
         if batch_axis is not None:
-            chunks, io = jax.lax.pcast((chunks, io), batch_axis, to="varying")
+            chunks = jax.lax.pcast(chunks, batch_axis, to="varying")
         s = jax.lax.axis_index(axis)
-
-        def pick(i):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False),
-                                micro)
-
-        def masked(pred, fn, *args):
-            """fn(*args) where `pred` holds on this device, zeros elsewhere. Every stage computes
-            it: a per-device `lax.cond` would not, but XLA cannot partition a conditional whose
-            backward returns gradients of tensor-sharded weights (the embedding's, the
-            head's). In lockstep the cost is FLOPs, not time: each tick lasts as long as the
-            stage that runs the head anyway."""
-            return jax.tree.map(lambda y: jnp.where(pred, y, jnp.zeros_like(y)), fn(*args))
-
-        def drain(chunks, io, x, i, final):  # the loss of a finished microbatch, or 0
-            return masked(final, lambda x, i: last(chunks, io, x, pick(i)), x, i)
-
-        def work(chunks, io, inp, r, consts, i, final):
-            out = run_stage(chunks, inp, r, consts)
-            return out, drain(chunks, io, out, i, final)
-
-        # What the backward keeps of a tick. Stage-level: its input alone (stage and head are
-        # recomputed). Else: the layers' own remat policy, and the head's input and labels.
-        if stage_level:
-            work = jax.checkpoint(work, prevent_cse=False, policy=remat)
-        else:
-            drain = jax.checkpoint(drain, prevent_cse=False, policy=remat)
-        feed = jax.checkpoint(lambda chunks, io, i: first(chunks, io, pick(i)),
-                              prevent_cse=False, policy=remat)  # keeps the tokens alone
+        keep = np.asarray(schedule.collect())  # [n, p] microbatch kept at (slot, stage)
 
         def tick(carry, t):
-            held, slots, total = carry
-            # stage 0 embeds microbatch t in the first repeat, then takes what came back
-            fresh = masked((s == 0) & (t < m), feed, chunks, io, jnp.minimum(t, m - 1))
-            inp = jnp.where(s == 0, fresh, held)
-            if v > 1:
-                back = jax.lax.dynamic_index_in_dim(slots, t % m, 0, keepdims=False)
-                inp = jnp.where((s == 0) & (t >= m), back, inp)
+            held, belt, slots, out = carry
+            # every p ticks each stage puts its next microbatch on the belt: stage 0 finds
+            # microbatch t there at tick t
+            mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // p, n - 1), 1,
+                                                keepdims=False)
+            coming = _select(t % p == 0, mine, belt[0])
+            inp = _select((s == 0) & (t < m), coming, held)
+            if v > 1:  # later repeats: what came back from the last stage
+                again = jax.lax.dynamic_index_in_dim(slots, t % m, 0, keepdims=False)
+                inp = _select((s == 0) & (t >= m), again, inp)
             r = jnp.clip((t - s) // m, 0, v - 1)  # this stage's repeat (chunk) at tick t
-            # the last stage finishes work item w = t - (p - 1): the loss, once it is final
-            w = t - (p - 1)
-            final = (s == p - 1) & (w >= (v - 1) * m) & (w < v * m)
-            out, loss = work(chunks, io, inp, r, consts, jnp.clip(w - (v - 1) * m, 0, m - 1), final)
-            total = total + loss
-            held = jax.lax.ppermute(out, axis, ring)
+            y = run_stage(chunks, inp, r, consts)
+            # the last stage finishes work item t - (p - 1); its last repeat goes on the belt
+            done = t - (p - 1) - (v - 1) * m
+            going = _select((s == p - 1) & (done >= 0), y, belt[1])
+            # the belt holds what the last stage finished p - 1 - s ticks ago: kept if it is
+            # the microbatch this stage collects
+            i = done - (p - 1 - s)
+            slot = jnp.clip((m - 1 - i) // p, 0, n - 1)
+            ours = (i >= 0) & (i < m) & (jnp.asarray(keep)[slot, s] == i)
+            old = jax.lax.dynamic_index_in_dim(out, slot, 1, keepdims=False)
+            out = jax.lax.dynamic_update_index_in_dim(out, _select(ours, going, old), slot, 1)
+            belt = jax.lax.ppermute(jnp.stack([coming, going]), axis, back)
+            held = jax.lax.ppermute(y, axis, ahead)
             if v > 1:  # stage 0 files what came back (work item w) for its next repeat
-                slot, keep = w % m, (s == 0) & (w >= 0) & (w < (v - 1) * m)
+                w = t - (p - 1)
+                slot, file = w % m, (s == 0) & (w >= 0) & (w < (v - 1) * m)
                 old = jax.lax.dynamic_index_in_dim(slots, slot, 0, keepdims=False)
-                slots = jax.lax.dynamic_update_index_in_dim(slots, jnp.where(keep, held, old),
-                                                            slot, 0)
-            return (held, slots, total), None
+                slots = jax.lax.dynamic_update_index_in_dim(slots, _select(file, held, old), slot, 0)
+            return (held, belt, slots, out), None
 
-        # carries typed like what the ticks put in them (varying over every manual axis); the
-        # embedding computed here for its type only is dead code to XLA
-        held = _vary(jnp.zeros_like(first(chunks, io, pick(0))), [axis])
-        slots = jnp.zeros_like(held, shape=(m if v > 1 else 1,) + held.shape)
-        total = jnp.zeros_like(held, jnp.float32, shape=())
-        (_, _, total), _ = jax.lax.scan(tick, (held, slots, total), jnp.arange(schedule.ticks),
-                                        unroll=unroll())
-        manual = tuple(a for a in (axis, batch_axis, seq_axis) if a is not None)
-        return jax.lax.psum(total, manual)
+        held = x_in[:, 0]
+        carry = (held, jnp.stack([held, held]), jnp.zeros_like(held, shape=(m if v > 1 else 1,) +
+                                                               held.shape), jnp.zeros_like(x_in))
+        carry = jax.tree.map(lambda a: _vary(a, [axis]), carry)
+        (_, _, _, out), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks), unroll=unroll())
+        return out[None]
 
-    rows = P(None, batch_axis, seq_axis)  # [m, mb, T, ...]: rows over data, T over the ring
+    buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
     manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
-    return jax.shard_map(per_stage, mesh=mesh,
-                         in_specs=(P(axis), P(), jax.tree.map(lambda _: rows, micro),
-                                   P(None, seq_axis)),
-                         out_specs=P(), axis_names=manual)(chunks, io, micro, consts)
+    return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), buffer, P(None, seq_axis)),
+                         out_specs=buffer, axis_names=manual)(chunks, x_in, consts)

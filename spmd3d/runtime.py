@@ -36,6 +36,7 @@ class Job:
     step_fn: object  # jitted train step
     batches: object  # data.TokenBatches
     canonical: tuple  # (abstract, shardings) of the canonical state that checkpoints hold
+    need: dict | None = None  # per-device bytes of the compiled step (`memory.check`)
 
     @property
     def cfg(self) -> Config:
@@ -86,10 +87,17 @@ class Job:
         return store.flat(self.reorder(state, to_canonical=True))
 
     def compile(self):
-        """AOT-compile the step for this job's shapes and shardings; returns (compiled, seconds)."""
+        """AOT-compile the step for this job's shapes and shardings; returns (compiled, seconds).
+        With `run.memory_check` (the default) a step that needs more memory than a device has
+        raises `memory.DoesNotFit` here, before anything is allocated; `need` keeps what it
+        needs."""
+        from . import memory
         from .step import compile_step
 
-        return compile_step(self.plan, self.step_fn, self.abstract, self.shardings)
+        compiled, seconds = compile_step(self.plan, self.step_fn, self.abstract, self.shardings)
+        if self.cfg.run.memory_check:
+            self.need = memory.check(self.plan, compiled)
+        return compiled, seconds
 
 
 def setup(cfg: Config | Plan, devices=None) -> Job:

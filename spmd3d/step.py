@@ -25,7 +25,7 @@ from . import attention, pipeline
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import activation_rules, constrain, shardings_for
+from .sharding import activation_rules, constrain, shardings_for, use_param
 
 
 class TrainState(NamedTuple):
@@ -105,15 +105,49 @@ def _layer_remat(policy: str) -> str:
     return "full" if policy == "stage" else policy
 
 
+def by_slot(micro, schedule: pipeline.Schedule, pad, collect: bool):
+    """[m, mb, ...] microbatches -> [n, p, mb, ...] as `schedule.feed()` (or `collect()`)
+    places them, `pad` in the empty places: a reshape, with the padding at the end (at the
+    front, and the slots reversed, for `collect`), so no data moves between devices."""
+    n, p = schedule.feed().shape
+    extra = jnp.full((n * p - micro.shape[0],) + micro.shape[1:], pad, micro.dtype)
+    a = jnp.concatenate([extra, micro] if collect else [micro, extra])
+    a = a.reshape((n, p) + micro.shape[1:])
+    return a[::-1] if collect else a
+
+
+def _gather_blocks(blocks):
+    """ZeRO-3 under a pipeline: each stage's layers gathered over data once per step, before
+    the schedule, and their gradients reduce-scattered back once, after it. Gathered per layer
+    inside the tick loop instead, a stage's weights would cross the data axis three times per
+    tick (forward, recompute, backward): LLaMA-3 405B at its preset, 1.5 TB per device per step
+    against 15 GB. The price: the stage's weights and their gradient accumulator, unsharded
+    over data, for the step (405B: 30 GB more per device). Both stay in the parameter dtype:
+    the layers cast per tick, so gradients accumulate over the microbatches in fp32, as with
+    ZeRO-0 to 2. `parallel.zero3_gather=tick` keeps the per-layer gathers instead."""
+    def gather(v):
+        names = v.get_metadata("axes")
+        return jax.tree.map(lambda a: use_param(a, names, a.dtype), v)
+
+    return jax.tree.map(gather, blocks, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
-    """Summed loss through the pipeline: stage 0 embeds each microbatch, the stages apply their
-    layers, the last stage runs the head and the loss. Besides `stage`, the data axis (unless
-    ZeRO-3 splits the weights over it: gradients are then reduced once, not per tick) and the
-    ring axis go manual inside it; inside, the rules drop those axes and attention runs the
-    per-device ring (a nested shard_map would mix the two levels' manual axes)."""
-    rules, par = plan.rules, plan.cfg.parallel
-    inner, batch_axis, seq_axis = rules.compute, None, None
-    if not rules.params_over_batch:
+    """Summed loss through the pipeline. The microbatches are laid out over the stages
+    ([p, mb, n, T] by `Schedule.feed` and `collect`), so the embedding before the pipeline
+    and the head and loss after it run on the whole mesh, each stage taking its share of the
+    microbatches: once per microbatch, not once per tick on every stage, and the embedding
+    is the plain sharded lookup. In the pipeline, besides `stage`, the data axis (gradients
+    are then reduced once, not per tick; under ZeRO-3 once the layers are gathered, see
+    `_gather_blocks`, else it stays automatic) and the ring axis go manual; inside, the rules drop those axes and
+    attention runs the per-device ring (a nested shard_map would mix the two levels' manual
+    axes)."""
+    rules, par, schedule = plan.rules, plan.cfg.parallel, plan.schedule
+    blocks, inner, batch_axis, seq_axis = params["blocks"], rules.compute, None, None
+    once = rules.params_over_batch and par.zero3_gather == "step"
+    if once:
+        blocks = _gather_blocks(blocks)
+    if once or not rules.params_over_batch:
         inner, batch_axis = inner.with_(batch=None), inner["batch"]
     if plan.attention == "ring":
         seq_axis = inner["length"]
@@ -123,26 +157,36 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     attend = attention.select(plan.attention, seq_axis, plan.mesh, manual=True)
     model = nnx.merge(graphdef, params)
     stage = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
-    rope = model.rope(positions)
-    io = nnx.State({k: v for k, v in params.items() if k != "blocks"})
+    axis, (p, m) = rules.compute["layers"], (schedule.stages, schedule.microbatches)
+    data = rules.compute["batch"]
+    # outside the pipeline, rows of a slot [p * mb] split over stage and data together
+    outer = rules.compute.with_(batch=(axis, *(data if isinstance(data, tuple) else (data,))))
 
-    def local_model(blocks, io):  # this stage's view: its chunks as the blocks
-        return nnx.merge(graphdef, nnx.State({**io, "blocks": blocks}))
+    def slots(a, pad, collect):  # [B, T] -> [p, mb, n, T], the stages' slots (tokens: small)
+        # microbatch j holds rows j, j+m, ...: each data shard keeps its own rows
+        a = by_slot(a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1), schedule,
+                    pad, collect)
+        a = jnp.moveaxis(a, 0, 2)
+        spec = P(axis, data, None, rules.compute["length"])
+        return jax.lax.with_sharding_constraint(a, NamedSharding(plan.mesh, spec))
 
-    def first(blocks, io, xs):
-        return local_model(blocks, io).embed_tokens(xs[0], one_hot=True)
+    def rows(a):  # [p, mb, n, T, ...] <-> [p * mb * n, T, ...]: rows over (stage, data), no copy
+        return a.reshape((-1,) + a.shape[3:])
 
-    def last(blocks, io, x, xs):
-        return local_model(blocks, io).loss(x, xs[1])[0]
+    def unrows(a, n):
+        return a.reshape((p, -1, n) + a.shape[1:])
 
-    grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
+    tokens = slots(inputs, 0, collect=False)
+    with activation_rules(outer, plan.mesh, rules.grads):
+        x = unrows(model.embed_tokens(rows(tokens)), tokens.shape[2])
     # inside the pipeline's shard_map, constraints resolve against its context mesh
+    grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
     with activation_rules(inner, None, grads):
-        return pipeline.run(params["blocks"], io, (inputs, labels), rope, plan.schedule,
-                            rules.compute["layers"], plan.mesh, first=first, stage=stage,
-                            last=last, active=plan.active, batch_axis=batch_axis,
-                            seq_axis=seq_axis,
-                            stage_remat=par.remat == "stage")
+        x = pipeline.run(blocks, x, model.rope(positions), schedule, axis, plan.mesh,
+                         stage=stage, active=plan.active, batch_axis=batch_axis,
+                         seq_axis=seq_axis, stage_remat=par.remat == "stage")
+    with activation_rules(outer, plan.mesh, rules.grads):
+        return model.loss(rows(x), rows(slots(labels, -1, collect=True)), par.loss_chunk)[0]
 
 
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
@@ -162,7 +206,7 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
                              prevent_cse=False)
     x = run(nnx.state(model.blocks), model.embed_tokens(inputs), model.rope(positions))
-    return model.loss(x, labels)
+    return model.loss(x, labels, par.loss_chunk)
 
 
 def make_grad_fn(plan: Plan, graphdef):

@@ -3,7 +3,9 @@
 A thin entry point: config -> plan -> state (fresh or resumed) -> compiled step -> loop; the
 pieces live in `runtime.py` (job, restore, records) and below. Importing this module does not
 import jax: the device count must be settable first (`mesh.simulated_devices`).
-Exit status: 0 done, 2 invalid configuration or input (one line, no traceback), 1 anything else.
+Exit status: 0 done, 2 invalid configuration or input, or a step that cannot fit in a
+device's memory (one line, no traceback), 1 anything else (an out-of-memory error at run time:
+one line).
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
 def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     import jax
 
+    from . import memory
     from .metrics import MetricsLog, format_line
     from .runtime import checkpoint_meta, restore_or_init, step_record
 
     cfg = job.cfg
+    compiled, compile_s = job.compile()  # refuses a step that cannot fit, before allocating
     state, start = restore_or_init(job, ckpt, log=print if lead else (lambda *a: None))
-    compiled, compile_s = job.compile()
     if lead:
         print(f"{'resumed at' if start else 'starting at'} step {start}; compiled in {compile_s:.1f} s",
               flush=True)
@@ -80,13 +83,20 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
         return ckpt.save(step, job.entries(state), checkpoint_meta(job, step), force=force)
 
     for step in range(start, cfg.train.steps):
-        state, metrics = compiled(state, job.global_batch(step))
+        try:
+            memory.fake_oom(step)
+            state, metrics = compiled(state, job.global_batch(step))
+            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps:
+                metrics = jax.device_get(metrics)  # blocks until this step has finished
+        except jax.errors.JaxRuntimeError as e:
+            if not memory.is_oom(e):
+                raise
+            raise memory.out_of_memory(e, step, job.need) from None
         steps_since += 1
         done = step + 1
         if done % cfg.run.log_every == 0 or done == cfg.train.steps:
-            m = jax.device_get(metrics)  # blocks until this step has finished
             now = time.perf_counter()
-            rec = step_record(job, done, m, (now - t_last) / steps_since)
+            rec = step_record(job, done, metrics, (now - t_last) / steps_since)
             t_last, steps_since = now, 0
             records.append(rec)
             log.write(rec)

@@ -17,15 +17,17 @@ LAYOUTS = {  # (data, stage, tensor, seq)
     "dp4_seq2": dict(data=4, seq=2),
     "dp2_seq4": dict(data=2, seq=4),
     "seq8": dict(seq=8),
-    "dp2_tp2_seq2": dict(data=2, tensor=2, seq=2),
-    "pp2_tp2_seq2": dict(stage=2, tensor=2, seq=2, micro=2),
+    # loss pieces of 8 positions, each spanning both sequence shards
+    "dp2_tp2_seq2_chunked_loss": dict(data=2, tensor=2, seq=2, extra=["parallel.loss_chunk=8"]),
+    "pp2_tp2_seq2_chunked_loss": dict(stage=2, tensor=2, seq=2, micro=2,
+                                      extra=["parallel.loss_chunk=8"]),
     "dp2_pp2_seq2_zero1": dict(data=2, stage=2, seq=2, zero=1, micro=2),
     "tp2_seq4_sp_zero3": dict(tensor=2, seq=4, sp=True, zero=3),
 }
 
 
-def cfg(**kw):
-    return small_config(**kw, extra=L4)
+def cfg(extra=(), **kw):
+    return small_config(**kw, extra=L4 + list(extra))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_context_parallel_losses_match_one_device(reference, name):
     assert_losses_match(cfg(**LAYOUTS[name]), reference[0])
 
 
-@pytest.mark.parametrize("name", ["dp2_seq4", "pp2_tp2_seq2"])
+@pytest.mark.parametrize("name", ["dp2_seq4", "pp2_tp2_seq2_chunked_loss"])
 def test_context_parallel_grads_match_one_device(reference, name):
     assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
 

@@ -17,13 +17,18 @@ L4 = ["model.num_layers=4"]
 LAYOUTS = {
     "dp4_pp2": dict(data=4, stage=2, micro=2),
     "dp2_pp4_m4": dict(data=2, stage=4, micro=4),
+    # two microbatches per stage before and after the pipeline, the loss in 4 pieces
+    "dp2_pp4_m8_chunked_loss": dict(data=2, stage=4, micro=8, extra=["parallel.loss_chunk=8"]),
     "pp4_tp2_m2": dict(stage=4, tensor=2, micro=2),  # fewer microbatches than stages (v = 1)
     "dp2_pp2_tp2": dict(data=2, stage=2, tensor=2, micro=2),
     "dp2_pp2_tp2_v2": dict(data=2, stage=2, tensor=2, micro=2, extra=["parallel.pipeline_repeats=2"]),
     "dp2_pp2_tp2_zero3": dict(data=2, stage=2, tensor=2, micro=4, zero=3),
+    "dp2_pp2_tp2_zero3_tick": dict(data=2, stage=2, tensor=2, micro=4, zero=3,
+                                   extra=["parallel.zero3_gather=tick"]),
     "dp2_pp2_tp2_v2_sp_zero1_remat": dict(data=2, stage=2, tensor=2, micro=4, zero=1, sp=True,
                                           remat="full", extra=["parallel.pipeline_repeats=2"]),
-    "dp2_pp2_tp2_sp_stage_remat": dict(data=2, stage=2, tensor=2, micro=4, sp=True, remat="stage"),
+    "dp2_pp2_tp2_sp_stage_remat": dict(data=2, stage=2, tensor=2, micro=4, sp=True, remat="stage",
+                                       extra=["parallel.loss_chunk=16"]),
 }
 
 
@@ -41,9 +46,35 @@ def test_pipeline_losses_match_one_device(reference, name):
     assert_losses_match(cfg(**LAYOUTS[name]), reference[0])
 
 
-@pytest.mark.parametrize("name", ["dp2_pp4_m4", "dp2_pp2_tp2_v2", "dp2_pp2_tp2_sp_stage_remat"])
+@pytest.mark.parametrize("name", ["dp2_pp4_m8_chunked_loss", "dp2_pp2_tp2_v2", "pp4_tp2_m2",
+                                  "dp2_pp2_tp2_sp_stage_remat"])
 def test_pipeline_grads_match_one_device(reference, name):
     assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 2), (2, 6), (4, 8), (3, 5)])
+def test_microbatches_laid_out_over_the_stages_as_the_belt_needs(p, m):
+    """The step's reshape places microbatch i where the schedule's tables say: the input on
+    stage i mod p (stage 0 finds it on the belt at tick i), the output where the belt from
+    the last stage stops, each microbatch once."""
+    from spmd3d.step import by_slot
+
+    schedule = Schedule(p, m)
+    micro = np.arange(m, dtype=np.int32)
+    for collect, table in ((False, schedule.feed()), (True, schedule.collect())):
+        np.testing.assert_array_equal(by_slot(micro, schedule, -1, collect), table)
+        assert sorted(table[table >= 0]) == list(range(m))
+    # the belt (pipeline.run's rule): at tick t stage s holds what the last stage finished
+    # p - 1 - s ticks ago and keeps it where `collect` says: each microbatch exactly once,
+    # within the schedule's ticks
+    kept = []
+    for t in range(schedule.ticks):
+        for s in range(p):
+            i = t - (p - 1) - (p - 1 - s)
+            slot = min(max((m - 1 - i) // p, 0), len(schedule.collect()) - 1)
+            if 0 <= i < m and schedule.collect()[slot, s] == i:
+                kept.append(i)
+    assert sorted(kept) == list(range(m))
 
 
 def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
@@ -97,16 +128,22 @@ def test_parameter_bytes_drop_by_stage_count():
     assert saved == 3 * (block_bytes - block_bytes // 4)
 
 
-def test_gradients_reduced_over_data_once_per_step_not_per_tick():
-    c = cfg(**LAYOUTS["dp4_pp2"])
+@pytest.mark.parametrize("name", ["dp4_pp2", "dp2_pp2_tp2_zero3"])
+def test_gradients_reduced_over_data_once_per_step_not_per_tick(name):
+    """Nothing crosses the data axis inside the tick loop: gradients are reduced once, and
+    under ZeRO-3 each stage's layers are gathered once (`parallel.zero3_gather=step`)."""
+    layout = LAYOUTS[name]
+    c = cfg(**layout)
     job = runtime.setup(c, devices_for(c))
     colls = hlo.collectives(job.compile()[0].as_text(), job.mesh.shape)
     over_data = [x for x in colls if "data" in x.axes]
     assert over_data and all(x.trips == 1 for x in over_data), over_data
-    # the activations move between neighbouring stages only, once per tick each way
+    # between neighbouring stages only, per tick: the activations one way and the belt of
+    # microbatches coming and going the other, and both again in the backward; nothing else
     shifts = [x for x in colls if x.kind == "collective-permute"]
     assert {x.axes for x in shifts} == {("stage",)}
-    assert sum(x.trips for x in shifts) == 2 * Schedule(2, 2).ticks
+    assert sum(x.trips for x in shifts) == 4 * Schedule(layout["stage"], layout["micro"]).ticks
+    assert not [x for x in colls if x.kind == "all-to-all"]
 
 
 def test_model_called_on_stored_layers_runs_them_in_canonical_order():
@@ -146,12 +183,14 @@ def temp_bytes(m, remat, repeats=1):
 @pytest.mark.parametrize("remat,repeats", [("stage", 1), ("none", 2)])
 def test_temporaries_grow_by_activations_per_microbatch_never_by_weights(remat, repeats):
     """From 4 to 8 microbatches, what the step keeps per extra microbatch: with stage remat,
-    exactly the stage's input (one [1, T, D] fp32 row); with a circular pipeline (whose chunk
-    is picked by a traced index), its v visits' inputs and a wrap-around slot, with room for
-    scalars. A copy of the weights per tick (64 MiB per stage and device) would show at once."""
-    row = 64 * 1024 * 4  # [mb=1, T, D] fp32
+    the stage's input (one [1, T, D] fp32 row); with a circular pipeline (whose chunk is
+    picked by a traced index), its v visits' inputs and a wrap-around slot, with room for
+    scalars. Plus the microbatch's share of the pipeline's buffers (each stage holds m/p
+    microbatches of the input, the output and their gradients, three at most alive at once:
+    3/p rows). A copy of the weights per tick (64 MiB per stage and device) would show."""
+    row, p = 64 * 1024 * 4, 2  # [mb=1, T, D] fp32; stages
     weights = 2 * 16_777_216 // 2 * 4  # 2 layers per stage of 16.8M parameters, tensor 2, fp32
     per_microbatch = (temp_bytes(8, remat, repeats) - temp_bytes(4, remat, repeats)) / 4
-    bound = row * (1 if repeats == 1 else 2 * repeats + 1)
+    bound = row * ((1 if repeats == 1 else 2 * repeats + 1) + 3 / p)
     assert row <= per_microbatch <= 1.05 * bound, (per_microbatch, bound)
     assert per_microbatch < weights / 50
