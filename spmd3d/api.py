@@ -25,7 +25,6 @@ from . import config as config_lib
 from .config import Config
 from .mesh import AXES, simulate_devices
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _KIND_ABBREV = {"all-reduce": "ar", "all-gather": "ag", "reduce-scatter": "rs",
                 "all-to-all": "a2a", "collective-permute": "cp"}
 
@@ -56,17 +55,11 @@ def simulate(n: int = 8) -> int:
 def configure(preset: str | None = None, overrides: list[str] | tuple = (), **kw) -> Config:
     """A validated Config: defaults <- preset <- `key=value` strings <- keyword overrides.
 
-    `preset` is a name in configs/ (`"demo"`, `"bench_small"`) or a YAML path; None is the
+    `preset` is a preset's name (`"demo"`, `"gpt3_175b"`: `configs/`) or a YAML path; None is the
     built-in demo. Keywords are sections (`mesh=dict(tensor=4)`) or dotted names
     (`**{"mesh.tensor": 4}`). `mesh.simulated_devices` is ignored here: call `simulate`.
     """
-    path = preset
-    if preset is not None and not Path(preset).is_file():
-        path = str(CONFIG_DIR / f"{preset}.yaml")
-        if not Path(path).is_file():
-            known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-            raise config_lib.ConfigError("config", f"no preset or file {preset!r} (presets: {known})")
-    cfg = config_lib.load(path, list(overrides))
+    cfg = config_lib.load(preset, list(overrides))
     sections: dict = {}
     for key, value in kw.items():
         if "." not in key and isinstance(value, dict):

@@ -239,7 +239,7 @@ def format_report(r: dict) -> str:
 
 
 def _run(args: cli.Args) -> int:
-    cfg = config_lib.load(args.config, args.overrides)
+    cfg = args.load_config()
     simulate_devices(cfg.mesh.simulated_devices)
     name = Path(args.config).stem if args.config else "default"
     record = run_bench(cfg, steps=args.flags.get("--steps", 10), warmup=args.flags.get("--warmup", 2),

@@ -64,6 +64,11 @@ class Args:
     flags: dict[str, object] = field(default_factory=dict)
     positional: list[str] = field(default_factory=list)
 
+    def load_config(self) -> config_lib.Config:
+        """The validated config: CONFIG (a path, or a preset's name looked up in
+        `--config-dir` and then among the shipped presets) <- the key=value overrides."""
+        return config_lib.load(self.config, self.overrides, self.flags.get("--config-dir"))
+
 
 def _is_flag(arg: str) -> bool:
     return arg.startswith("-") and arg != "-"
@@ -85,12 +90,12 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], list[str]]:
 
 
 def _known(command: Command) -> str:
-    return ", ".join(f.spelling for f in command.flags) or "none"
+    return ", ".join(f.spelling for f in _flags(command)) or "none"
 
 
 def _flag_value(command: Command, arg: str) -> tuple[str, object]:
     name, eq, raw = arg.partition("=")
-    flag = next((f for f in command.flags if f.name == name), None)
+    flag = next((f for f in _flags(command) if f.name == name), None)
     if flag is None:
         raise ConfigError("argv", f"unknown flag {name} (known: {_known(command)})")
     if flag.kind == "switch":
@@ -110,8 +115,18 @@ def _flag_value(command: Command, arg: str) -> tuple[str, object]:
     return name, value
 
 
+# every command that takes a config: where presets named on the command line are looked up
+CONFIG_DIR = Flag("--config-dir", kind="str",
+                  help="look CONFIG up in DIR (DIR/CONFIG.yaml) before the shipped presets")
+
+
+def _flags(command: Command) -> tuple[Flag, ...]:
+    return command.flags + ((CONFIG_DIR,) if command.takes_config else ())
+
+
 def parse(command: Command, argv: list[str]) -> Args:
-    """argv -> Args, every flag checked against `command.flags`; raises ConfigError('argv', ...)."""
+    """argv -> Args, every flag checked against the command's flags; raises
+    ConfigError('argv', ...)."""
     rest = [a for a in argv if not _is_flag(a)]
     flags = dict(_flag_value(command, a) for a in argv if _is_flag(a))
     if not command.takes_config:
@@ -136,7 +151,7 @@ def help_text(command: Command) -> str:
     """Usage, description, flags and (for config commands) every config field with its default."""
     lines = [f"usage: {command.prog} {command.usage}", "",
              textwrap.fill(command.description, 100), "", "flags:"]
-    lines += _columns([(f.spelling, f.help) for f in command.flags]
+    lines += _columns([(f.spelling, f.help) for f in _flags(command)]
                       + [("-h, --help", "print this help and exit")])
     if command.takes_config:
         lines += ["", "config fields (CONFIG.yaml sets them; key=value overrides any of them, "

@@ -60,7 +60,8 @@ class MeshConfig:
     seq: int = doc(1, "sequence axis size (ring attention)")
     simulated_devices: int = doc(-1, "N > 0: N simulated CPUs; -1: 8 if no accelerator; "
                                      "0: the real devices")
-    topology: str = doc("auto", "a file in meshes/ (without .yaml); auto: by platform")
+    topology: str = doc("auto", "a topology in meshes/ (its name) or a path to a .yaml; "
+                                "auto: by platform")
     # With several hosts, tensor and seq must fit inside one host (their collectives run every
     # layer); true lets a layout put them across hosts anyway (slow, but it runs).
     allow_cross_host: bool = doc(False, "let tensor and seq span hosts")
@@ -245,13 +246,30 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     node[parts[-1]] = value
 
 
-def load(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides, then validated. Raises ConfigError."""
+# the presets ship inside the package (the repository's top-level configs/ links here)
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def find_config(name: str, config_dir: str | None = None) -> Path:
+    """A config file: `name` as a path, else the preset `name` (with or without `.yaml`) in
+    `config_dir` and then among the presets shipped with the package. Raises ConfigError."""
+    p = Path(name).expanduser()
+    dirs = ([Path(config_dir).expanduser()] if config_dir else []) + [PRESET_DIR]
+    bare = [] if p.parent != Path(".") else [d / f"{p.name.removesuffix('.yaml')}.yaml" for d in dirs]
+    found = next((f for f in [p, *bare] if f.is_file()), None)
+    if found:
+        return found
+    known = ", ".join(sorted({f.stem for d in dirs for f in d.glob("*.yaml")}))
+    raise ConfigError("config", f"no preset or file {name!r} (presets: {known})")
+
+
+def load(path: str | None = None, overrides: list[str] | tuple = (),
+         config_dir: str | None = None) -> Config:
+    """Defaults <- YAML file (a path or a preset's name, see `find_config`) <- `key=value`
+    overrides, then validated. Raises ConfigError."""
     tree: dict = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("config", f"no such file {path!r}")
+        p = find_config(path, config_dir)
         try:
             tree = yaml.safe_load(p.read_text())
         except (OSError, UnicodeDecodeError) as e:

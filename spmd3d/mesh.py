@@ -15,7 +15,7 @@ import numpy as np
 import yaml
 
 DATA, STAGE, TENSOR, SEQ = AXES = ("data", "stage", "tensor", "seq")
-MESH_DIR = Path(__file__).resolve().parent.parent / "meshes"
+MESH_DIR = Path(__file__).resolve().parent / "meshes"  # top-level meshes/ links here
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,13 @@ class Topology:
 
 
 def load_topology(name: str, platform: str = "cpu") -> Topology:
-    """`meshes/NAME.yaml`; `auto` picks `cpu` on CPU and `h100x8` on GPU."""
+    """`meshes/NAME.yaml` (shipped with the package) or a path to a `.yaml`; `auto` picks
+    `cpu` on CPU and `h100x8` on GPU."""
     from .config import ConfigError
 
     if name == "auto":
         name = "cpu" if platform == "cpu" else "h100x8"
-    path = MESH_DIR / f"{name}.yaml"
+    path = Path(name).expanduser() if name.endswith(".yaml") else MESH_DIR / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in MESH_DIR.glob("*.yaml")))
         raise ConfigError("mesh.topology", f"no topology {name!r} in meshes/ (known: {known})")

@@ -119,7 +119,7 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
 
 
 def _run(args: cli.Args) -> int:
-    cfg = config_lib.load(args.config, args.overrides)
+    cfg = args.load_config()
     simulate_devices(cfg.mesh.simulated_devices)
     dist.initialize(cfg)
     train(cfg, explain=bool(args.flags.get("--explain")))

@@ -64,8 +64,10 @@ def test_help_lists_every_field_with_default_in_aligned_columns():
     text = cli.help_text(BENCH)
     lines = text.splitlines()
     assert lines[0] == "usage: python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--json]"
-    assert "  --steps=N        timed steps" in lines
-    assert "  --profile=VALUE  write a trace to this directory" in lines
+    width = len("--config-dir=VALUE")  # the longest flag: every config command takes it
+    assert "  " + "--steps=N".ljust(width) + "  timed steps" in lines
+    assert "  " + "--profile=VALUE".ljust(width) + "  write a trace to this directory" in lines
+    assert any(line.startswith("  --config-dir=VALUE  look CONFIG up in DIR") for line in lines)
     assert any("key=value overrides any of them" in line for line in lines)
     starts = set()
     for name, typ, default, meaning in config_lib.field_docs():
@@ -91,7 +93,7 @@ def test_run_help_prints_and_exits_0_before_anything_else(argv, capsys):
 
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
-    (["--nope"], "unknown flag --nope (known: --steps=N, --warmup=N, --json, --profile=VALUE)"),
+    (["--nope"], "unknown flag --nope (known: --steps=N, --warmup=N, --json, --profile=VALUE, --config-dir=VALUE)"),
     (["--steps=x"], "--steps needs an integer, got 'x'"),
     (["--steps=0"], "--steps must be >= 1, got 0"),
     (["--warmup=-1"], "--warmup must be >= 0, got -1"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 from .. import cli
-from .. import config as config_lib
 from ..mesh import load_topology
 from . import Plan
 
@@ -29,7 +28,7 @@ COMMAND = cli.Command(
 def _run(args: cli.Args) -> int:
     from .. import footprint
 
-    cfg = config_lib.load(args.config, args.overrides)
+    cfg = args.load_config()
     topology = load_topology(cfg.mesh.topology, "gpu")  # planning is for the cluster
     plan = Plan.resolve(cfg, topology=topology)
     print(f"plan of {args.config or 'the built-in demo'} on {topology.name} "
