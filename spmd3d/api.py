@@ -6,7 +6,7 @@ wires together, one call each, with no command line and no global state but the 
     cfg = spmd3d.configure("demo", ["train.steps=5"], mesh=dict(data=2, tensor=4))
     exp = spmd3d.Experiment(cfg)             # plan, shardings, data: `runtime.setup`
     records = exp.run(5)                     # [{'step': 1, 'loss': ...}, ...]
-    exp.params_table(); exp.memory(); exp.collectives()
+    exp.eval_loss(); exp.params_table(); exp.memory(); exp.collectives()
     exp.save("runs/nb")                      # an Orbax checkpoint, canonical layer order
     other = spmd3d.restore(cfg_on_another_mesh, "runs/nb")
 
@@ -173,6 +173,11 @@ class Experiment:
             records.append(step_record(self.job, self.step, m, time.perf_counter() - start))
         self.history += records
         return records
+
+    def eval_loss(self) -> float:
+        """The held-out loss of the current state: the mean over `run.eval_batches` fixed
+        batches of the held-out split (`data.eval_fraction` or `data.eval_path`)."""
+        return self.job.evaluate(self.state.params)
 
     # -- where things live ----------------------------------------------------------------
 

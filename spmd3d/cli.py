@@ -11,6 +11,7 @@ bad arguments must answer at once, and the device count must be settable before 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import textwrap
@@ -175,6 +176,30 @@ class Failure(RuntimeError):
     """A run that failed for a reason its one line says (exit status 1, no traceback)."""
 
 
+class _Stdout(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is when a record comes (pytest and notebooks swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def log_to_stdout() -> None:
+    """The `spmd3d` logger's messages on stdout, as plain lines (what the commands print);
+    a program that set up its own handler keeps it."""
+    logger = logging.getLogger("spmd3d")
+    if not logger.handlers:
+        handler = _Stdout()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def run(command: Command, argv: list[str] | None, body: Callable[[Args], int | None]) -> int:
     """The whole `main` of a command: `--help`/`-h` prints help (exit 0) before anything else;
     otherwise `body(parse(...))` whose int (None: 0) is the exit status. A ConfigError or
@@ -188,6 +213,7 @@ def run(command: Command, argv: list[str] | None, body: Callable[[Args], int | N
         except BrokenPipeError:  # `--help | head`: the reader left; so does the help
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    log_to_stdout()
     try:
         status = body(parse(command, argv))
     except (ConfigError, DataError) as e:

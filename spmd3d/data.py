@@ -36,8 +36,10 @@ class DataError(ValueError):
 
 def _concat_files(files: list[Path], cap: int | None = None) -> bytes:
     """Concatenate file contents, each followed by a blank-line separator, optionally capped."""
+    from tqdm import tqdm
+
     parts, total = [], 0
-    for f in files:
+    for f in tqdm(files, desc="reading the corpus", unit=" files", disable=None, leave=False):
         parts.append(f.read_bytes() + _SEPARATOR)
         total += len(parts[-1])
         if cap is not None and total >= cap:
@@ -117,6 +119,27 @@ def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
         if isinstance(e, DataError):
             raise
         raise DataError("data.path", f"cannot read {path!r}: {e}") from e
+
+
+def held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the last `fraction` of the corpus held out, so no
+    training window (which reads only its own part) overlaps a held-out one. Views, no copy."""
+    cut = tokens.shape[0] - int(tokens.shape[0] * fraction)
+    return tokens[:cut], tokens[cut:]
+
+
+def eval_batches(held: np.ndarray, cfg) -> "TokenBatches":
+    """The held-out windows: `run.eval_batches` global batches of distinct windows, always the
+    same ones (the batches of steps 0, 1, ... of the held-out data)."""
+    t, field = cfg.train, "data.eval_path" if cfg.data.eval_path else "data.eval_fraction"
+    need = cfg.run.eval_batches * t.global_batch
+    have = (held.shape[0] - 1) // t.seq_len if held.shape[0] else 0
+    if have < need:
+        raise DataError(field, f"the held-out data has {have} windows of seq_len + 1 = "
+                               f"{t.seq_len + 1} tokens; run.eval_batches = "
+                               f"{cfg.run.eval_batches} batches of {t.global_batch} need {need} "
+                               "(hold out more, or lower run.eval_batches)")
+    return TokenBatches(held, t.seq_len, t.seed, cfg.model.vocab_size)
 
 
 class TokenBatches:

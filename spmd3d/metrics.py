@@ -1,12 +1,16 @@
-"""Model FLOPs, MFU, and the run's metrics log (`metrics.jsonl` plus a terminal line)."""
+"""Model FLOPs, MFU, and where a run's records go: the terminal line, `metrics.jsonl` and
+TensorBoard events (`Sinks`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
 from .config import ModelConfig
+
+LOG = logging.getLogger("spmd3d.metrics")
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -45,10 +49,69 @@ class MetricsLog:
             self.file.close()
 
 
+class Terminal:
+    """The terminal line of each record, through the `spmd3d.metrics` logger (a notebook or
+    another program can silence or redirect it), with the time left at the current pace."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+
+    def write(self, record: dict) -> None:
+        LOG.info(format_line(record, self.total))
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoard:
+    """Every numeric field of each record as a scalar (tensorboardX: a light writer, no
+    TensorFlow), plus the compiled step's per-device memory."""
+
+    def __init__(self, logdir: Path, memory_bytes: int | None = None):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+        self.memory = memory_bytes
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+        if self.memory:
+            self.writer.add_scalar("memory_per_device_gb", self.memory / 1e9, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Sinks(list):
+    """Where each record of a run goes: a list of sinks, each with `write` and `close`."""
+
+    def write(self, record: dict) -> None:
+        for sink in self:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self:
+            sink.close()
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
 def format_line(r: dict, total_steps: int) -> str:
-    parts = [f"step {r['step']:>{len(str(total_steps))}}/{total_steps}",
-             f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
-             f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_time_s']:.3f} s/step"]
-    if not math.isnan(r.get("mfu", math.nan)):
-        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    parts = [f"step {r['step']:>{len(str(total_steps))}}/{total_steps}"]
+    if "loss" in r:
+        parts += [f"loss {r['loss']:.4f}", f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+                  f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_time_s']:.3f} s/step"]
+        if not math.isnan(r.get("mfu", math.nan)):
+            parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "eval_loss" in r:
+        parts.append(f"eval_loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.2f})")
+    if "step_time_s" in r and r["step"] < total_steps:
+        parts.append(f"ETA {_duration((total_steps - r['step']) * r['step_time_s'])}")
     return " | ".join(parts)

@@ -37,6 +37,34 @@ class Job:
     batches: object  # data.TokenBatches
     canonical: tuple  # (abstract, shardings) of the canonical state that checkpoints hold
     need: dict | None = None  # per-device bytes of the compiled step (`memory.check`)
+    held: object = None  # the held-out tokens (run.eval_every > 0), or None
+
+    @cached_property
+    def evals(self):
+        """The held-out windows (`data.eval_batches`), built and checked on first use: the
+        train loop asks right after the memory check, before the first step."""
+        from .data import eval_batches
+
+        if self.held is None:
+            raise ValueError("no held-out data: run.eval_every = 0")
+        evals = eval_batches(self.held, self.cfg)
+        evals.batch(0, self.cfg.train.global_batch)  # bad token ids fail now, not at step 50
+        return evals
+
+    @cached_property
+    def eval_step(self):
+        """The jitted held-out loss, `(params, tokens) -> mean loss` (`step.make_eval_step`)."""
+        from .step import make_eval_step
+
+        return make_eval_step(self.plan, self.graphdef, self.shardings)
+
+    def evaluate(self, params) -> float:
+        """The mean loss over the fixed held-out batches (`run.eval_batches`)."""
+        b = self.cfg.train.global_batch
+        losses = [self.eval_step(params, dist.make_global_batch(self.evals, k,
+                                                                 self.batch_sharding, b))
+                  for k in range(self.cfg.run.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
 
     @property
     def cfg(self) -> Config:
@@ -102,18 +130,26 @@ class Job:
 
 def setup(cfg: Config | Plan, devices=None) -> Job:
     """Resolve the plan against the devices and build the sharded step and the data."""
-    from .data import TokenBatches, load_tokens
+    from .data import DataError, TokenBatches, held_out, load_tokens
     from .step import canonical_state, make_train_step, state_shardings
 
     plan = cfg if isinstance(cfg, Plan) else Plan.resolve(cfg, devices)
     cfg = plan.cfg
     graphdef, abstract, shardings = state_shardings(plan)
     step_fn = make_train_step(plan, graphdef, shardings)
-    batches = TokenBatches(load_tokens(cfg.data.path, cfg.data.tokenizer), cfg.train.seq_len,
-                           cfg.train.seed, cfg.model.vocab_size)
+    tokens, held = load_tokens(cfg.data.path, cfg.data.tokenizer), None
+    if cfg.data.eval_path:
+        try:
+            held = load_tokens(cfg.data.eval_path, cfg.data.tokenizer)
+        except DataError as e:
+            raise DataError("data.eval_path", e.message) from None
+    elif cfg.data.eval_fraction:
+        tokens, held = held_out(tokens, cfg.data.eval_fraction)
+    batches = TokenBatches(tokens, cfg.train.seq_len, cfg.train.seed, cfg.model.vocab_size)
     # read one batch now: bad token ids fail in milliseconds, not after compilation
     batches.batch(0, cfg.train.global_batch)
-    return Job(plan, graphdef, abstract, shardings, step_fn, batches, canonical_state(plan))
+    return Job(plan, graphdef, abstract, shardings, step_fn, batches, canonical_state(plan),
+               held=held if cfg.run.eval_every else None)
 
 
 def checkpoint_meta(job: Job, step: int) -> dict:
@@ -131,7 +167,8 @@ def step_record(job: Job, step: int, metrics: dict, seconds: float) -> dict:
     cfg = job.cfg
     tps = cfg.train.global_batch * cfg.train.seq_len / seconds
     peak = job.topology.peak_flops(cfg.model.dtype, job.plan.num_devices)
-    return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+    return {"step": step, "tokens": step * cfg.train.global_batch * cfg.train.seq_len,
+            "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "tokens_per_s": tps, "step_time_s": seconds,
             "mfu": mfu(tps, cfg.model, cfg.train.seq_len, peak)}
 

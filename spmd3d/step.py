@@ -245,6 +245,26 @@ def make_grad_fn(plan: Plan, graphdef):
     return grads_and_loss
 
 
+def make_eval_step(plan: Plan, graphdef, shardings: TrainState):
+    """`(params, tokens[B, T+1]) -> mean loss`, jitted in the state's shardings: the train
+    step's forward pass alone, over the same microbatches (so it fits where training does)."""
+    rules, m = plan.rules, plan.accum_steps
+
+    def eval_step(params, tokens):
+        with activation_rules(rules.compute, plan.mesh, rules.grads):
+            micro = tokens.reshape(tokens.shape[0] // m, m, -1).swapaxes(0, 1)
+
+            def one(total, tokens_mb):
+                tokens_mb = constrain(tokens_mb, ("batch", None))
+                return total + loss_sum(plan, graphdef, params, tokens_mb)[0], None
+
+            total = jax.lax.scan(one, jnp.zeros((), jnp.float32), micro)[0]
+        return total / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+    return jax.jit(eval_step, in_shardings=(shardings.params, plan.batch_sharding),
+                   out_shardings=NamedSharding(plan.mesh, P()))
+
+
 def make_train_step(plan: Plan, graphdef, shardings: TrainState):
     """The pure train step, jitted with explicit in/out shardings and the state donated.
 

@@ -10,6 +10,8 @@ one line).
 
 from __future__ import annotations
 
+import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,8 @@ from . import cli, dist
 from . import config as config_lib
 from .config import Config
 from .mesh import simulate_devices
+
+LOG = logging.getLogger("spmd3d")
 
 COMMAND = cli.Command(
     prog="python -m spmd3d.train",
@@ -31,7 +35,8 @@ COMMAND = cli.Command(
 
 
 def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
-    """Train per `cfg`; returns the logged metrics records."""
+    """Train per `cfg`; returns the logged metrics records. Messages go to the `spmd3d`
+    logger (the command line prints them; a notebook sets its own handler)."""
     import jax
     import yaml
 
@@ -46,10 +51,10 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
-        print(f"{job.plan.num_devices} {jax.devices()[0].platform} devices: "
-              f"{job.plan.describe()}", flush=True)
+        LOG.info(f"{job.plan.num_devices} {jax.devices()[0].platform} devices: "
+                 f"{job.plan.describe()}")
         if explain or cfg.run.explain:
-            print(format_table(describe(job.abstract.params, job.plan.rules, job.mesh)), flush=True)
+            LOG.info(format_table(describe(job.abstract.params, job.plan.rules, job.mesh)))
 
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every,
                         keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_,
@@ -62,60 +67,100 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
         ckpt.close()
 
 
+def _sinks(job, run_dir: Path, lead: bool):
+    from .metrics import MetricsLog, Sinks, TensorBoard, Terminal
+
+    if not lead:
+        return Sinks()
+    sinks = Sinks([Terminal(job.cfg.train.steps), MetricsLog(run_dir / "metrics.jsonl")])
+    if job.cfg.run.tensorboard:
+        sinks.append(TensorBoard(run_dir / "tensorboard", (job.need or {}).get("total")))
+    return sinks
+
+
 def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     import jax
 
     from . import memory
-    from .metrics import MetricsLog, format_line
     from .runtime import checkpoint_meta, restore_or_init, step_record
 
-    cfg = job.cfg
+    cfg, t0 = job.cfg, time.perf_counter()
     compiled, compile_s = job.compile()  # refuses a step that cannot fit, before allocating
-    state, start = restore_or_init(job, ckpt, log=print if lead else (lambda *a: None))
+    if cfg.run.eval_every:
+        job.evals  # noqa: B018 -- too little held-out data fails now, not at the first eval
+    state, start = restore_or_init(job, ckpt, log=LOG.warning if lead else (lambda *a: None))
     if lead:
-        print(f"{'resumed at' if start else 'starting at'} step {start}; compiled in {compile_s:.1f} s",
-              flush=True)
+        LOG.info(f"{'resumed at' if start else 'starting at'} step {start}; the step compiled "
+                 f"in {compile_s:.1f} s")
 
-    log = MetricsLog(run_dir / "metrics.jsonl" if lead else None)
+    sinks = _sinks(job, run_dir, lead)
     records, t_last, steps_since = [], time.perf_counter(), 0
+    every, steps = cfg.run.eval_every, cfg.train.steps
 
     def save(step, force=False):
         return ckpt.save(step, job.entries(state), checkpoint_meta(job, step), force=force)
 
-    for step in range(start, cfg.train.steps):
+    for step in range(start, steps):
+        done = step + 1
+        evaluate = every and (done % every == 0 or (done == steps and done >= every))
+        logged = done % cfg.run.log_every == 0 or done == steps or evaluate
         try:
             memory.fake_oom(step)
             state, metrics = compiled(state, job.global_batch(step))
-            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps:
+            if logged:
                 metrics = jax.device_get(metrics)  # blocks until this step has finished
         except jax.errors.JaxRuntimeError as e:
             if not memory.is_oom(e):
                 raise
             raise memory.out_of_memory(e, step, job.need) from None
         steps_since += 1
-        done = step + 1
-        if done % cfg.run.log_every == 0 or done == cfg.train.steps:
+        if logged:
             now = time.perf_counter()
             rec = step_record(job, done, metrics, (now - t_last) / steps_since)
-            t_last, steps_since = now, 0
+            if evaluate:
+                rec["eval_loss"] = job.evaluate(state.params)
+                rec["eval_perplexity"] = math.exp(min(rec["eval_loss"], 700))
+            t_last, steps_since = time.perf_counter(), 0  # evaluation is not step time
             records.append(rec)
-            log.write(rec)
-            if lead:
-                print(format_line(rec, cfg.train.steps), flush=True)
-        if done < cfg.train.steps and preemption.stop_at(done):
+            sinks.write(rec)
+        if done < steps and preemption.stop_at(done):
             save(done, force=True)
             ckpt.wait()
-            log.close()
+            sinks.close()
             if lead:
-                print(f"preempted: saved step {done}; the same command resumes from it", flush=True)
+                LOG.info(f"preempted: saved step {done}; the same command resumes from it")
             return records
-        if ckpt.should_save(done) and done < cfg.train.steps:
+        if ckpt.should_save(done) and done < steps:
             save(done)
-    if cfg.train.steps > start or ckpt.latest_step() is None:
-        save(cfg.train.steps, force=True)
+    if steps > start or ckpt.latest_step() is None:
+        save(steps, force=True)
     ckpt.wait()
-    log.close()
+    sinks.close()
+    if lead:
+        _finish(job, run_dir, records, start, time.perf_counter() - t0)
     return records
+
+
+def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float) -> None:
+    """The run's picture (`curves.png`) and its one-line summary."""
+    from .metrics import _duration
+    from .plot import plot_runs
+
+    outputs = ["metrics.jsonl", "checkpoints/"]
+    try:
+        plot_runs([run_dir], run_dir / "curves.png")
+        outputs.insert(1, "curves.png")
+    except Exception as e:  # noqa: BLE001 -- a picture never fails a finished run
+        LOG.warning(f"warning: no curves.png ({type(e).__name__}: {e})")
+    if job.cfg.run.tensorboard:
+        outputs.append("tensorboard/")
+    t = job.cfg.train
+    steps = t.steps - start
+    last = {k: r[k] for r in records for k in ("loss", "eval_loss") if k in r}
+    losses = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in last.items())
+    LOG.info(f"done: {steps} steps, {steps * t.global_batch * t.seq_len:,} tokens in "
+             f"{_duration(seconds)}{'; final ' + losses if losses else ''}; "
+             f"{run_dir}/: {', '.join(outputs)}")
 
 
 def _run(args: cli.Args) -> int:

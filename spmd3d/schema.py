@@ -1,0 +1,158 @@
+"""The configuration's fields: frozen dataclasses, each field with its default and a one-line
+meaning (`--help` prints them). Parsing, overrides and validation are `config.py`'s, which
+re-exports everything here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots", "stage")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; `field` is the dotted name to blame, str(self) is one line."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def doc(default, help: str):
+    """A dataclass field with a one-line meaning, read by `field_docs` for `--help`."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = doc(4, "transformer blocks (the stacked [L, ...] layers)")
+    d_model: int = doc(256, "width of the residual stream")
+    num_heads: int = doc(4, "query heads per attention layer")
+    num_kv_heads: int = doc(2, "key/value heads (grouped-query attention)")
+    d_ff: int = doc(768, "hidden width of the MLP")
+    vocab_size: int = doc(256, "token ids are in [0, vocab_size)")
+    head_dim: int = doc(0, "width of one head; 0: d_model // num_heads")
+    rope_theta: float = doc(10000.0, "base of the rotary embedding frequencies")
+    norm_eps: float = doc(1e-5, "epsilon of RMSNorm")
+    init_std: float = doc(0.02, "standard deviation of the initial weights")
+    dtype: str = doc("float32", "compute dtype: float32, bfloat16 or float16")
+    param_dtype: str = doc("float32", "dtype of the master weights and optimizer state")
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = doc(-1, "data-parallel axis size; -1: all devices left over")
+    stage: int = doc(1, "pipeline axis size (stages)")
+    tensor: int = doc(2, "tensor-parallel axis size")
+    seq: int = doc(1, "sequence axis size (ring attention)")
+    simulated_devices: int = doc(-1, "N > 0: N simulated CPUs; -1: 8 if no accelerator; "
+                                     "0: the real devices")
+    topology: str = doc("auto", "a topology in meshes/ (its name) or a path to a .yaml; "
+                                "auto: by platform")
+    # With several hosts, tensor and seq must fit inside one host (their collectives run every
+    # layer); true lets a layout put them across hosts anyway (slow, but it runs).
+    allow_cross_host: bool = doc(False, "let tensor and seq span hosts")
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    zero_stage: int = doc(1, "shard over data: optimizer state (1), + grads (2), + params (3)")
+    pipeline_repeats: int = doc(1, "circular pipeline: chunks of layers per stage")
+    sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
+    remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
+                             "stage (keep only each stage's input per microbatch)")
+    # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
+    # no per-layer copies into stacked residual buffers and scheduling across layers, for
+    # compile time that grows with depth -- a win for small, shallow models (see bench_small)
+    scan_layers: bool = doc(True, "one compiled layer in a lax.scan; false: layers unrolled")
+    zero3_gather: str = doc("step", "ZeRO-3 with a pipeline: gather each stage's layers once "
+                                    "per step (step) or per layer at every tick (tick: less "
+                                    "memory, stage weights x3 per tick over data)")
+    loss_chunk: int = doc(1024, "tokens per device whose logits exist at once in the head "
+                                "and loss (pieces in a loop); 0: all at once")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = doc(150, "optimizer steps")
+    global_batch: int = doc(32, "sequences per step, over all devices")
+    seq_len: int = doc(128, "tokens per sequence")
+    microbatches: int = doc(1, "pipeline microbatches (or gradient accumulation steps)")
+    seed: int = doc(0, "seed of the initial weights and the data order")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = doc(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = doc(10, "linear warm-up steps from 0 to lr")
+    decay_steps: int = doc(0, "cosine decay ends here; 0: train.steps")
+    min_lr_ratio: float = doc(0.1, "the decay ends at lr * min_lr_ratio")
+    weight_decay: float = doc(0.1, "AdamW weight decay")
+    clip_norm: float = doc(1.0, "clip the global gradient norm to this; 0: no clipping")
+    b1: float = doc(0.9, "Adam decay of the first moment")
+    b2: float = doc(0.95, "Adam decay of the second moment")
+    eps: float = doc(1e-8, "Adam epsilon")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # The embedded corpus is Python's standard library sources: always there, nothing to download.
+    path: str = doc("", "token file, text file or directory; empty: the embedded corpus")
+    tokenizer: str = doc("bytes", "how text becomes tokens; only bytes")
+    # held out from training: the corpus's last tokens, unless eval_path names other data
+    eval_fraction: float = doc(0.01, "share of the corpus held out for eval_loss, in [0, 1)")
+    eval_path: str = doc("", "held-out data (a file or directory as data.path); empty: split")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = doc("runs/demo", "config, metrics, checkpoints; one with checkpoints resumes")
+    log_every: int = doc(1, "print a metrics line every N steps")
+    explain: bool = doc(False, "print where every parameter lives")
+    eval_every: int = doc(50, "held-out loss every N steps and at the end; 0: never")
+    eval_batches: int = doc(4, "global batches of held-out windows per evaluation (fixed)")
+    tensorboard: bool = doc(False, "also write TensorBoard events to run.dir/tensorboard")
+    memory_check: bool = doc(True, "refuse a step that needs more memory than a device has, "
+                                   "before the first step")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = doc(50, "save every N steps; 0: only at the end")
+    keep: int = doc(3, "newest checkpoints kept")
+    async_: bool = doc(True, "write while training goes on")  # YAML and argv: `async` (a keyword)
+    fallback: bool = doc(False, "newest checkpoint damaged: resume from the one before")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """One training job over several processes (hosts); see `dist.py`. Left at these defaults,
+    the values come from the environment (SLURM, Kubernetes, JAX_*), or it is one process."""
+
+    coordinator: str = doc("", "HOST:PORT of the coordination service (process 0)")
+    num_processes: int = doc(1, "processes (hosts) in the job")
+    process_id: int = doc(0, "this process's index, in [0, num_processes)")
+    # A process silent this long is declared lost and every other process stops (exit 1).
+    heartbeat_timeout_s: int = doc(20, "seconds of silence before a process counts as lost")
+    init_timeout_s: int = doc(300, "seconds the processes wait for each other at start-up")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
