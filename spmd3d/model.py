@@ -101,16 +101,6 @@ def apply_rope(x, cos_bth, sin_bth):
     return out.astype(x.dtype)
 
 
-def embed_one_hot(table_vd, ids_bt):
-    """table[V, D][ids] as a one-hot matmul, [B, T, V_tensor] · [V_tensor, D]: XLA partitions
-    it over a vocab-sharded table by itself (a sum over the vocab axis), with no shard_map of
-    its own, so it runs inside another (the pipeline's); its gradient is a matmul, not a
-    scatter. Costs 2·V·D FLOPs and a [B, T, V] one-hot per token: for one microbatch."""
-    onehot = constrain(jax.nn.one_hot(ids_bt, table_vd.shape[0], dtype=table_vd.dtype),
-                       ("batch", "length", "vocab"))
-    return jnp.einsum("btv,vd->btd", onehot, table_vd)
-
-
 def embed_lookup(table_vd, ids_bt):
     """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
 
@@ -242,12 +232,10 @@ class Transformer(nnx.Module):
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
 
-    def embed_tokens(self, tokens_bt, one_hot: bool = False):
-        """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype; `one_hot`: as a
-        matmul (`embed_one_hot`: inside a shard_map), else a per-shard lookup."""
+    def embed_tokens(self, tokens_bt):
+        """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype (`embed_lookup`)."""
         with jax.named_scope("embed"):
-            lookup = embed_one_hot if one_hot else embed_lookup
-            x = lookup(_use(self.embed, self.cfg.param_dtype), tokens_bt)
+            x = embed_lookup(_use(self.embed, self.cfg.param_dtype), tokens_bt)
             return constrain(x.astype(self.cfg.dtype), ("batch", "res_length", "embed"))
 
     def rope(self, positions_t):
