@@ -116,7 +116,8 @@ def find_config(name: str, config_dir: str | None = None) -> Path:
     `config_dir` and then among the presets shipped with the package. Raises ConfigError."""
     p = Path(name).expanduser()
     dirs = ([Path(config_dir).expanduser()] if config_dir else []) + [PRESET_DIR]
-    bare = [] if p.parent != Path(".") else [d / f"{p.name.removesuffix('.yaml')}.yaml" for d in dirs]
+    stem = p.name.removesuffix(".yaml")
+    bare = [d / f"{stem}.yaml" for d in dirs] if p.parent == Path(".") else []
     found = next((f for f in [p, *bare] if f.is_file()), None)
     if found:
         return found

@@ -102,8 +102,7 @@ def _advice(plan, largest: str) -> str:
     tips = []
     if largest == "parameters and optimizer state":
         if par.zero_stage < 3:
-            tips.append(f"parallel.zero_stage={par.zero_stage + 1 if par.zero_stage else 1}"
-                        " or higher")
+            tips.append(f"parallel.zero_stage={par.zero_stage + 1} or higher")
         tips.append("more mesh.tensor or mesh.stage")
     elif largest == "gradients":
         if par.zero_stage < 2:

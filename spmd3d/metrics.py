@@ -97,7 +97,7 @@ class Sinks(list):
             sink.close()
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
@@ -113,5 +113,5 @@ def format_line(r: dict, total_steps: int) -> str:
     if "eval_loss" in r:
         parts.append(f"eval_loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.2f})")
     if "step_time_s" in r and r["step"] < total_steps:
-        parts.append(f"ETA {_duration((total_steps - r['step']) * r['step_time_s'])}")
+        parts.append(f"ETA {duration((total_steps - r['step']) * r['step_time_s'])}")
     return " | ".join(parts)

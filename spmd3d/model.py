@@ -21,7 +21,7 @@ from .attention import causal_attention
 from .config import ModelConfig
 from .pipeline import unroll
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
-                       use_param)
+                       mesh_axes, use_param)
 
 # What the backward pass may keep from the forward pass of a layer. Weights as used (cast and,
 # under ZeRO-3, all-gathered) are never kept: the backward gathers them again, so a layer's
@@ -101,6 +101,15 @@ def apply_rope(x, cos_bth, sin_bth):
     return out.astype(x.dtype)
 
 
+def _per_device(layout):
+    """(mesh, manual axes, row spec, length spec): the batch and length axes of the current
+    layout that split anything (size > 1), for a shard_map manual over them."""
+    mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+    specs = [tuple(a for a in mesh_axes(layout.compute[n]) if mesh.shape[a] > 1) or None
+             for n in ("batch", "length")]
+    return mesh, tuple(a for spec in specs for a in mesh_axes(spec)), *specs
+
+
 def embed_lookup(table_vd, ids_bt):
     """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
 
@@ -112,10 +121,9 @@ def embed_lookup(table_vd, ids_bt):
     """
     layout = current_layout()
     axis = None if layout is None else layout.compute["vocab"]
-    mesh = None if layout is None else (layout.mesh or jax.sharding.get_abstract_mesh())
+    mesh, batch, rows, cols = (None,) * 4 if layout is None else _per_device(layout)
     if axis is None or mesh.shape[axis] == 1:
         return jnp.take(table_vd, ids_bt, axis=0)
-    rows, cols = layout.compute["batch"], layout.compute["length"]
 
     def lookup(table, ids):
         v = table.shape[0]
@@ -125,10 +133,8 @@ def embed_lookup(table_vd, ids_bt):
         rows = jnp.take(table, jnp.clip(local, 0, v - 1), axis=0) * mine
         return jax.lax.psum(rows, axis)
 
-    manual = {axis} | {a for names in (rows, cols) if names is not None
-                       for a in (names if isinstance(names, tuple) else (names,))}
     return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P(rows, cols)),
-                         out_specs=P(rows, cols, None), axis_names=manual)(table_vd, ids_bt)
+                         out_specs=P(rows, cols, None), axis_names={axis, *batch})(table_vd, ids_bt)
 
 
 class Attention(nnx.Module):
@@ -311,17 +317,10 @@ class Transformer(nnx.Module):
             return jax.lax.scan(piece, total, (x, labels.reshape(n, -1)), unroll=unroll())[0]
 
         layout = current_layout()
-        mesh = None if layout is None else (layout.mesh or jax.sharding.get_abstract_mesh())
-        rows, cols = (None, None) if layout is None else (layout.compute["batch"],
-                                                          layout.compute["length"])
-        manual = tuple(a for names in (rows, cols) if names is not None
-                       for a in (names if isinstance(names, tuple) else (names,))
-                       if mesh.shape[a] > 1)
+        mesh, manual, rows, cols = (None, (), None, None) if layout is None else _per_device(layout)
         if not manual:  # one device's tokens are all of them
             return local(x_btd, labels_bt, scale, head), labels_bt.size
         inner = layout.compute.with_(batch=None, length=None, res_length=None)
-        rows, cols = (tuple(a for a in (n if isinstance(n, tuple) else (n,)) if a in manual)
-                      or None for n in (rows, cols))
 
         def per_device(x, labels, scale, head):
             scale, head = jax.lax.pcast((scale, head), manual, to="varying")

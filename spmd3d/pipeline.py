@@ -151,6 +151,12 @@ def _select(pred, a, b):
     return jax.tree.map(lambda x, y: jax.lax.select_n(pred, y, x), a, b)
 
 
+def _store_if(pred, buffer, slot, value, axis: int):
+    """`buffer` with `value` in `slot` along `axis` where `pred` holds, as it was elsewhere."""
+    old = jax.lax.dynamic_index_in_dim(buffer, slot, axis, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, _select(pred, value, old), slot, axis)
+
+
 def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, active=None,
         batch_axis=None, seq_axis=None, stage_remat: bool = False):
     """Every microbatch of `x_in` carried through all layers by the pipeline: the training
@@ -158,9 +164,9 @@ def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, act
 
     `x_in`, and what comes back, are [p, mb, n, T, D] buffers split over the stage axis:
     stage s holds the microbatches `Schedule.feed()[:, s]` of the input and
-    `Schedule.collect()[:, s]` of the output, m/p each (slot j at [s, :, j]), so the embedding before and the head
-    and loss after run once per microbatch in all, spread over the stages, instead of once per
-    tick on every stage (see `step._pipelined_loss`). Inside, a belt moving one stage back each
+    `Schedule.collect()[:, s]` of the output, m/p each (slot j at [s, :, j]), so the embedding
+    before and the head and loss after run once per microbatch in all, spread over the stages,
+    instead of once per tick on every stage (see `step._pipelined_loss`). Inside, a belt moving one stage back each
     tick brings stage 0 the microbatch it starts (each stage puts its next one on the belt every
     p ticks) and takes each finished one from the last stage to the stage that keeps it (no
     drain ticks: the stage a microbatch stops at is where the belt has carried it by then).
@@ -209,7 +215,7 @@ def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, act
         if batch_axis is not None:
             chunks = jax.lax.pcast(chunks, batch_axis, to="varying")
         s = jax.lax.axis_index(axis)
-        keep = np.asarray(schedule.collect())  # [n, p] microbatch kept at (slot, stage)
+        keep = jnp.asarray(schedule.collect())  # [n, p] microbatch kept at (slot, stage)
 
         def tick(carry, t):
             held, belt, slots, out = carry
@@ -231,16 +237,14 @@ def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, act
             # the microbatch this stage collects
             i = done - (p - 1 - s)
             slot = jnp.clip((m - 1 - i) // p, 0, n - 1)
-            ours = (i >= 0) & (i < m) & (jnp.asarray(keep)[slot, s] == i)
-            old = jax.lax.dynamic_index_in_dim(out, slot, 1, keepdims=False)
-            out = jax.lax.dynamic_update_index_in_dim(out, _select(ours, going, old), slot, 1)
+            ours = (i >= 0) & (i < m) & (keep[slot, s] == i)
+            out = _store_if(ours, out, slot, going, 1)
             belt = jax.lax.ppermute(jnp.stack([coming, going]), axis, back)
             held = jax.lax.ppermute(y, axis, ahead)
             if v > 1:  # stage 0 files what came back (work item w) for its next repeat
                 w = t - (p - 1)
-                slot, file = w % m, (s == 0) & (w >= 0) & (w < (v - 1) * m)
-                old = jax.lax.dynamic_index_in_dim(slots, slot, 0, keepdims=False)
-                slots = jax.lax.dynamic_update_index_in_dim(slots, _select(file, held, old), slot, 0)
+                file = (s == 0) & (w >= 0) & (w < (v - 1) * m)
+                slots = _store_if(file, slots, w % m, held, 0)
             return (held, belt, slots, out), None
 
         held = x_in[:, 0]

@@ -51,9 +51,10 @@ def plot_runs(run_dirs: list, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
+    unique = len({d.name for d, _ in runs}) == len(runs)  # else the paths tell them apart
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for (d, records), color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 9):
-        label = d.name if len(runs) == 1 or len({r.name for r, _ in runs}) == len(runs) else str(d)
+        label = d.name if unique else str(d)
         for ax, x in zip(axes, ("step", "tokens")):
             train = [(r[x], r["loss"]) for r in records if "loss" in r and x in r]
             held = [(r[x], r["eval_loss"]) for r in records if "eval_loss" in r and x in r]

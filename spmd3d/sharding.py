@@ -36,6 +36,11 @@ LOGICAL_NAMES = (
 )
 
 
+def mesh_axes(axes) -> tuple:
+    """A rule's value (None, one mesh axis or a tuple of them) as a tuple of mesh axes."""
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
 @dataclass(frozen=True)
 class Rules:
     """A table from logical names to a mesh axis (or a tuple of axes, or None = replicated)."""
@@ -58,7 +63,7 @@ class Rules:
             if n not in LOGICAL_NAMES:
                 raise ValueError(f"unknown logical axis name {n!r} in {names}")
             axes = self[n]
-            flat = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+            flat = mesh_axes(axes)
             if used & set(flat):
                 raise ValueError(f"mesh axis used twice in {names}: {used & set(flat)}")
             used |= set(flat)
@@ -108,8 +113,7 @@ class ZeroRules:
         `norm` (the model width, in every stacked parameter) take `stage` as well. Used to hand
         checkpoints their canonical arrays, per device no larger than the stored ones."""
         def plus(axes):
-            return STAGE if axes is None else (*(axes if isinstance(axes, tuple) else (axes,)),
-                                               STAGE)
+            return STAGE if axes is None else (*mesh_axes(axes), STAGE)
 
         def add_stage(rules: Rules) -> Rules:
             return rules.with_(layers=None, embed=plus(rules["embed"]), norm=plus(rules["norm"]))

@@ -25,7 +25,7 @@ from . import attention, pipeline
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import activation_rules, constrain, shardings_for, use_param
+from .sharding import activation_rules, constrain, mesh_axes, shardings_for, use_param
 
 
 class TrainState(NamedTuple):
@@ -105,6 +105,12 @@ def _layer_remat(policy: str) -> str:
     return "full" if policy == "stage" else policy
 
 
+def microbatches(a, m: int):
+    """[B, ...] -> [m, B/m, ...]: microbatch j holds rows j, j+m, j+2m, ... so that each data
+    shard (a block of rows) keeps its own rows in every microbatch."""
+    return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
+
+
 def by_slot(micro, schedule: pipeline.Schedule, pad, collect: bool):
     """[m, mb, ...] microbatches -> [n, p, mb, ...] as `schedule.feed()` (or `collect()`)
     places them, `pad` in the empty places: a reshape, with the padding at the end (at the
@@ -139,9 +145,9 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     microbatches: once per microbatch, not once per tick on every stage, and the embedding
     is the plain sharded lookup. In the pipeline, besides `stage`, the data axis (gradients
     are then reduced once, not per tick; under ZeRO-3 once the layers are gathered, see
-    `_gather_blocks`, else it stays automatic) and the ring axis go manual; inside, the rules drop those axes and
-    attention runs the per-device ring (a nested shard_map would mix the two levels' manual
-    axes)."""
+    `_gather_blocks`, else it stays automatic) and the ring axis go manual; inside, the rules
+    drop those axes and attention runs the per-device ring (a nested shard_map would mix the
+    two levels' manual axes)."""
     rules, par, schedule = plan.rules, plan.cfg.parallel, plan.schedule
     blocks, inner, batch_axis, seq_axis = params["blocks"], rules.compute, None, None
     once = rules.params_over_batch and par.zero3_gather == "step"
@@ -160,13 +166,10 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     axis, (p, m) = rules.compute["layers"], (schedule.stages, schedule.microbatches)
     data = rules.compute["batch"]
     # outside the pipeline, rows of a slot [p * mb] split over stage and data together
-    outer = rules.compute.with_(batch=(axis, *(data if isinstance(data, tuple) else (data,))))
+    outer = rules.compute.with_(batch=(axis, *mesh_axes(data)))
 
     def slots(a, pad, collect):  # [B, T] -> [p, mb, n, T], the stages' slots (tokens: small)
-        # microbatch j holds rows j, j+m, ...: each data shard keeps its own rows
-        a = by_slot(a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1), schedule,
-                    pad, collect)
-        a = jnp.moveaxis(a, 0, 2)
+        a = jnp.moveaxis(by_slot(microbatches(a, m), schedule, pad, collect), 0, 2)
         spec = P(axis, data, None, rules.compute["length"])
         return jax.lax.with_sharding_constraint(a, NamedSharding(plan.mesh, spec))
 
@@ -229,9 +232,6 @@ def make_grad_fn(plan: Plan, graphdef):
                 (total, _), g = value_and_grad(params, tokens)
                 g = constrain_grads(g)
             else:
-                # microbatch j holds rows j, j+m, j+2m, ...: each data shard keeps its own rows
-                micro = tokens.reshape(tokens.shape[0] // m, m, -1).swapaxes(0, 1)
-
                 def accumulate(carry, tokens_mb):
                     g_acc, l_acc = carry
                     (l, _), g = value_and_grad(params, constrain(tokens_mb, ("batch", None)))
@@ -239,7 +239,7 @@ def make_grad_fn(plan: Plan, graphdef):
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
                 carry = (constrain_grads(zeros), jnp.zeros((), jnp.float32))
-                (g, total), _ = jax.lax.scan(accumulate, carry, micro)
+                (g, total), _ = jax.lax.scan(accumulate, carry, microbatches(tokens, m))
         return total / count, jax.tree.map(lambda x: x / count, g)
 
     return grads_and_loss
@@ -252,13 +252,11 @@ def make_eval_step(plan: Plan, graphdef, shardings: TrainState):
 
     def eval_step(params, tokens):
         with activation_rules(rules.compute, plan.mesh, rules.grads):
-            micro = tokens.reshape(tokens.shape[0] // m, m, -1).swapaxes(0, 1)
-
             def one(total, tokens_mb):
                 tokens_mb = constrain(tokens_mb, ("batch", None))
                 return total + loss_sum(plan, graphdef, params, tokens_mb)[0], None
 
-            total = jax.lax.scan(one, jnp.zeros((), jnp.float32), micro)[0]
+            total = jax.lax.scan(one, jnp.zeros((), jnp.float32), microbatches(tokens, m))[0]
         return total / (tokens.shape[0] * (tokens.shape[1] - 1))
 
     return jax.jit(eval_step, in_shardings=(shardings.params, plan.batch_sharding),

@@ -143,7 +143,7 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
 
 def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float) -> None:
     """The run's picture (`curves.png`) and its one-line summary."""
-    from .metrics import _duration
+    from .metrics import duration
     from .plot import plot_runs
 
     outputs = ["metrics.jsonl", "checkpoints/"]
@@ -159,7 +159,7 @@ def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float)
     last = {k: r[k] for r in records for k in ("loss", "eval_loss") if k in r}
     losses = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in last.items())
     LOG.info(f"done: {steps} steps, {steps * t.global_batch * t.seq_len:,} tokens in "
-             f"{_duration(seconds)}{'; final ' + losses if losses else ''}; "
+             f"{duration(seconds)}{'; final ' + losses if losses else ''}; "
              f"{run_dir}/: {', '.join(outputs)}")
 
 
