@@ -75,29 +75,22 @@ def _all_processes(ok: bool) -> bool:
 class Checkpointer:
     """Orbax ``CheckpointManager`` storing array state plus JSON metadata per step.
 
-    The save schedule (``every``) is decided here rather than by orbax's default
-    save policy, which would also save on the very first call at any step and
-    refuse steps at or below the latest one; a plain ``step % every == 0`` rule
-    is easier to reason about when resuming. Retention (``keep``) is delegated
-    to orbax's ``LatestN`` preservation policy so old steps are deleted as part
-    of the same (possibly asynchronous) commit.
-
-    Must be constructed and called on every process (orbax syncs internally).
+    The save schedule is a plain ``step % every == 0`` decided here (orbax's default policy
+    would also save on the first call at any step and refuse steps at or below the latest).
+    Retention (``keep``) is orbax's ``LatestN``: old steps go in the same (possibly
+    asynchronous) commit. Construct and call it on every process (orbax syncs internally).
     """
 
     def __init__(self, directory: str | os.PathLike, *, every: int, keep: int,
                  async_save: bool = True, cleanup_tmp: bool = False):
         self.directory = os.path.abspath(os.fspath(directory))
-        self.every = int(every)
-        self.keep = int(keep)
-        self.async_save = bool(async_save)
+        self.every, self.keep, self.async_save = int(every), int(keep), bool(async_save)
         # Step whose asynchronous commit may still be running. Orbax lists a
         # step as soon as its save *starts*; we hide it until committed.
         self._pending: int | None = None
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(
-                n=self.keep if self.keep > 0 else None
-            ),
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep if self.keep > 0
+                                                                else None),
             enable_async_checkpointing=self.async_save,
             create=True,
             # Unfinished temp dirs are never listed as steps. A training run owns
@@ -129,14 +122,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------- save/load
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
-        """Saves ``state`` and ``meta`` at ``step``; returns whether it saved.
-
-        Off-schedule steps are skipped unless ``force`` (e.g. the final step or
-        a preemption). A step that already exists is skipped rather than
-        overwritten, so a forced final save that coincides with a periodic one
-        is harmless. With ``async_save`` this returns once device buffers have
-        been copied to host; the write continues in the background (a
-        following ``save`` or ``wait`` blocks on it).
+        """Saves ``state`` and ``meta`` at ``step``; returns whether it saved. Off-schedule
+        steps are skipped unless ``force`` (the final step, a preemption); an existing step is
+        skipped, never overwritten. With ``async_save`` this returns once device buffers are
+        copied to host; the write goes on in the background (``save``/``wait`` block on it).
         """
         step = int(step)
         if not (force or self.should_save(step)):
@@ -153,14 +142,11 @@ class Checkpointer:
         return saved
 
     def restore(self, step: int | None, target: Any) -> tuple[Any, dict]:
-        """Restores ``(state, meta)`` from ``step`` (None: latest committed).
-
-        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with ``.sharding``
-        set to the desired (possibly new-mesh) ``NamedSharding``s, with the
-        same structure as the saved state. Each process reads only the chunks
-        covering its addressable shards. The restored arrays are checked
-        against the fingerprint written with them; any read error or mismatch
-        raises ``Damaged`` (on every process alike).
+        """Restores ``(state, meta)`` from ``step`` (None: latest committed) into ``target``,
+        a pytree like the saved state of ``jax.ShapeDtypeStruct`` with (possibly new-mesh)
+        shardings. Each process reads only the chunks of its own shards. The arrays are
+        checked against their fingerprints; a read error or a mismatch raises ``Damaged``
+        (on every process alike).
         """
         if step is None:
             step = self.latest_step()
@@ -307,27 +293,40 @@ def _verify(ckpt: Checkpointer, step: int) -> str:
         return e.why
 
 
-def load(run_dir: str | os.PathLike, step: int | None = None, *, what: str = 'params',
-         target=None) -> tuple[dict, dict]:
-    """(nested dict of arrays, meta) of one checkpoint's ``what`` subtree ('params', 'opt' or
-    '' for everything), for a notebook. Only the arrays asked for are read.
-
-    ``target(meta) -> {key: jax.ShapeDtypeStruct with a sharding}`` places them (``api.load``
-    gives the shardings a mesh's plan has); by default every array goes to this process's first
-    device.
-    """
+def _open(run_dir, step: int | None) -> tuple[Checkpointer, int]:
+    """A reader of RUN_DIR's (or RUN_DIR/checkpoints') steps, and `step` (None: the newest)."""
     root = Path(run_dir) / 'checkpoints'
-    with Checkpointer(root if root.is_dir() else run_dir, every=0, keep=1 << 30,
-                      async_save=False) as ckpt:
-        step = ckpt.latest_step() if step is None else int(step)
-        if step is None:
-            raise FileNotFoundError(f'no committed checkpoint in {ckpt.directory}')
+    ckpt = Checkpointer(root if root.is_dir() else run_dir, every=0, keep=1 << 30,
+                        async_save=False)
+    step = ckpt.latest_step() if step is None else int(step)
+    if step is None:
+        ckpt.close()
+        raise CheckpointError('RUN_DIR', f'no committed checkpoint in {ckpt.directory}')
+    return ckpt, step
+
+
+def read_meta(run_dir: str | os.PathLike, step: int | None = None) -> dict:
+    """The metadata of a run's newest committed checkpoint (or of `step`)."""
+    ckpt, step = _open(run_dir, step)
+    with ckpt:
+        return ckpt.read_meta(step)
+
+
+def read(run_dir: str | os.PathLike, keys, step: int | None = None,
+         target=None) -> tuple[dict, dict]:
+    """({key: array}, meta) of the arrays of one checkpoint whose keys `keys` names (a list,
+    or a predicate), each checked against its fingerprint; nothing else is read.
+
+    ``target(meta) -> {key: jax.ShapeDtypeStruct with a sharding}`` places them; by default
+    every array goes to this process's first device."""
+    keep = keys if callable(keys) else set(keys).__contains__
+    ckpt, step = _open(run_dir, step)
+    with ckpt:
         meta = ckpt.read_meta(step)
-        prefix = f'{what}/' if what else ''
         if target is None:
-            wanted = _single_device_target(ckpt, step, lambda k: k.startswith(prefix))
+            wanted = _single_device_target(ckpt, step, keep)
         else:
-            wanted = {k: v for k, v in target(meta).items() if k.startswith(prefix)}
+            wanted = {k: v for k, v in target(meta).items() if keep(k)}
         restore_args = ocp.checkpoint_utils.construct_restore_args(wanted)
         arrays = quiet(lambda: ocp.PyTreeCheckpointer().restore(
             ckpt.step_dir(step) / STATE_ITEM,
@@ -337,6 +336,20 @@ def load(run_dir: str | os.PathLike, step: int | None = None, *, what: str = 'pa
     bad = [k for k, v in fingerprint(arrays).items() if k in expected and expected[k] != v]
     if bad:
         raise Damaged(step, f'{bad[0]} does not match its fingerprint')
+    return arrays, meta
+
+
+def load(run_dir: str | os.PathLike, step: int | None = None, *, what: str = 'params',
+         target=None) -> tuple[dict, dict]:
+    """(nested dict of arrays, meta) of one checkpoint's ``what`` subtree ('params', 'opt' or
+    '' for everything), for a notebook. Only the arrays asked for are read (`read`).
+
+    ``target(meta) -> {key: jax.ShapeDtypeStruct with a sharding}`` places them (``api.load``
+    gives the shardings a mesh's plan has); by default every array goes to this process's first
+    device.
+    """
+    prefix = f'{what}/' if what else ''
+    arrays, meta = read(run_dir, lambda k: k.startswith(prefix), step, target)
     return nest({k[len(prefix):]: x for k, x in arrays.items()}), meta
 
 

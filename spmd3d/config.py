@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from .schema import (DTYPES, REMAT_POLICIES, CheckpointConfig, Config, ConfigError,  # noqa: F401
-                     DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
+from .schema import (DTYPES, REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig, Config,  # noqa: F401
+                     ConfigError, DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
                      RunConfig, TrainConfig, doc)
 
 
@@ -192,6 +192,13 @@ def validate(cfg: Config) -> None:
     if not m.head_dim:
         _divides("model.d_model", m.d_model, m.num_heads, "model.num_heads")
     _need(m.dim_per_head % 2 == 0, "model.head_dim", "rotary embeddings need an even head dim")
+    _need(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
+          f"must be one of {', '.join(ROPE_SCALINGS)}")
+    if m.rope_scaling == "llama3":
+        _need(m.rope_factor > 0 and m.rope_original_max_len > 0, "model.rope_factor",
+              "rope_factor and rope_original_max_len must be positive")
+        _need(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
+              "must be greater than model.rope_low_freq_factor")
 
     _need(mesh.data == -1 or mesh.data > 0, "mesh.data", "must be positive or -1")
     for name in ("stage", "tensor", "seq"):

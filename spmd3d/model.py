@@ -79,14 +79,31 @@ def loss_chunks(tokens: int, chunk: int) -> int:
     return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
 
 
-def rope_tables(positions_bt, head_dim: int, theta: float):
-    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T].
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The rotary frequencies [H/2] (fp32, numpy), computed as transformers' LLaMA does:
+    1 / theta^(2i/H), and with `rope_scaling = llama3` LLaMA 3.1's rescaling (wavelengths
+    longer than original_max_len / low_freq_factor slowed down by `rope_factor`, those shorter
+    than original_max_len / high_freq_factor kept, a linear blend in between)."""
+    h = cfg.dim_per_head
+    freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h)))
+    if cfg.rope_scaling == "llama3":
+        lo, hi, n = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+        wavelen = 2 * np.pi / freq
+        slow = np.where(wavelen > n / lo, freq / cfg.rope_factor, freq)
+        smooth = (n / wavelen - lo) / (hi - lo)
+        blend = (1 - smooth) * slow / cfg.rope_factor + smooth * slow
+        medium = ~(wavelen < n / hi) & ~(wavelen > n / lo)
+        freq = np.where(medium, blend, slow)
+    return freq.astype(np.float32)
+
+
+def rope_tables(positions_bt, freq):
+    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T] and frequencies [H/2].
 
     Static positions (numpy) give constant tables. Traced, XLA:CPU fuses cos and sin into
     every consumer and evaluates them once per element of q and k, forward and backward.
     """
     xp = np if isinstance(positions_bt, np.ndarray) else jnp
-    freq = theta ** (-xp.arange(0, head_dim, 2, dtype=xp.float32) / head_dim)
     angle = positions_bt.astype(xp.float32)[..., None] * freq
     return xp.cos(angle), xp.sin(angle)
 
@@ -245,8 +262,10 @@ class Transformer(nnx.Module):
             return constrain(x.astype(self.cfg.dtype), ("batch", "res_length", "embed"))
 
     def rope(self, positions_t):
-        """cos/sin [1, T, H/2] for positions[T] (numpy: constant tables)."""
-        return rope_tables(positions_t[None], self.cfg.dim_per_head, self.cfg.rope_theta)
+        """cos/sin [1, T, H/2] for positions[T] (numpy: constant tables), or [B, T, H/2] for
+        positions[B, T]."""
+        positions = positions_t[None] if positions_t.ndim == 1 else positions_t
+        return rope_tables(positions, rope_frequencies(self.cfg))
 
     def layers(self, remat: str = "none", scan: bool = True, attend=causal_attention):
         """`fn(stacked[c, ...], x, rope, active=None) -> x`: c stacked layers applied in their

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage")
+ROPE_SCALINGS = ("none", "llama3")
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,13 @@ class ModelConfig:
     vocab_size: int = doc(256, "token ids are in [0, vocab_size)")
     head_dim: int = doc(0, "width of one head; 0: d_model // num_heads")
     rope_theta: float = doc(10000.0, "base of the rotary embedding frequencies")
+    # LLaMA 3.1's long-context frequencies: the low ones divided by rope_factor, a smooth blend
+    # between the two wavelength bounds (what transformers calls rope_type llama3)
+    rope_scaling: str = doc("none", "none, or llama3 (LLaMA 3.1 frequency scaling)")
+    rope_factor: float = doc(8.0, "llama3 scaling: the low frequencies are divided by this")
+    rope_low_freq_factor: float = doc(1.0, "llama3 scaling: bound of the unscaled wavelengths")
+    rope_high_freq_factor: float = doc(4.0, "llama3 scaling: bound of the scaled wavelengths")
+    rope_original_max_len: int = doc(8192, "llama3 scaling: the context it was pre-trained on")
     norm_eps: float = doc(1e-5, "epsilon of RMSNorm")
     init_std: float = doc(0.02, "standard deviation of the initial weights")
     dtype: str = doc("float32", "compute dtype: float32, bfloat16 or float16")

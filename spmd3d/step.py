@@ -263,6 +263,17 @@ def make_eval_step(plan: Plan, graphdef, shardings: TrainState):
                    out_shardings=NamedSharding(plan.mesh, P()))
 
 
+def make_logits_fn(plan: Plan, graphdef, param_shardings):
+    """`(params, tokens[B, T]) -> logits[B, T, V]` in fp32, jitted on the plan's mesh: the
+    model's own forward pass (canonical layer order, no schedule) laid out by the plan's rules."""
+    def logits(params, tokens):
+        with activation_rules(plan.rules.compute, plan.mesh):
+            return nnx.merge(graphdef, params)(tokens)
+
+    return jax.jit(logits, in_shardings=(param_shardings, plan.batch_sharding),
+                   out_shardings=plan.sharding(("batch", "length", "vocab")))
+
+
 def make_train_step(plan: Plan, graphdef, shardings: TrainState):
     """The pure train step, jitted with explicit in/out shardings and the state donated.
 

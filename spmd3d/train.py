@@ -88,10 +88,11 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     compiled, compile_s = job.compile()  # refuses a step that cannot fit, before allocating
     if cfg.run.eval_every:
         job.evals  # noqa: B018 -- too little held-out data fails now, not at the first eval
+    saved = ckpt.latest_step() is not None
     state, start = restore_or_init(job, ckpt, log=LOG.warning if lead else (lambda *a: None))
     if lead:
-        LOG.info(f"{'resumed at' if start else 'starting at'} step {start}; the step compiled "
-                 f"in {compile_s:.1f} s")
+        LOG.info(f"{'resumed at' if saved else 'starting at'} step {start}; "
+                 f"the step compiled in {compile_s:.1f} s")
 
     sinks = _sinks(job, run_dir, lead)
     records, t_last, steps_since = [], time.perf_counter(), 0

@@ -69,6 +69,8 @@ def test_no_import_cycles(module):
 def test_storage_imports_nothing_above_the_config():
     assert reachable("store") == set()
     assert reachable("checkpoint") <= {"store", "cli", "config", "schema", "data"}
+    # the Hugging Face mapping is numpy on the checkpoint schema: nothing that computes
+    assert reachable("hf") <= {"schema"}
 
 
 def test_the_model_does_not_run_the_pipeline():
@@ -85,14 +87,14 @@ def clean_env():
 
 
 def test_command_modules_import_without_jax():
-    code = ("import sys\nimport spmd3d.train, spmd3d.bench, spmd3d.cli, spmd3d.config\n"
+    code = ("import sys\nimport spmd3d.train, spmd3d.bench, spmd3d.cli, spmd3d.config, spmd3d.convert\n"
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n")
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("command", ["train", "bench", "checkpoint", "plan"])
+@pytest.mark.parametrize("command", ["train", "bench", "checkpoint", "plan", "convert"])
 def test_every_command_answers_help(command):
     out = subprocess.run([sys.executable, "-m", f"spmd3d.{command}", "--help"], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
@@ -100,6 +102,9 @@ def test_every_command_answers_help(command):
     assert out.stdout.startswith(f"usage: python -m spmd3d.{command} ")
     if command == "checkpoint":
         assert "info RUN_DIR" in out.stdout and "--verify" in out.stdout
+        return
+    if command == "convert":
+        assert "import HF_DIR RUN_DIR" in out.stdout and "export RUN_DIR HF_DIR" in out.stdout
         return
     lines = out.stdout.splitlines()
     for name, typ, default, meaning in config.field_docs():

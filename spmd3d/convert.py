@@ -1,0 +1,237 @@
+"""`python -m spmd3d.convert import HF_DIR RUN_DIR [key=value ...]` and
+`python -m spmd3d.convert export RUN_DIR HF_DIR [--step=N] [--dtype=D] [--max-shard-gb=N]`.
+
+Import reads a transformers LLaMA directory (`hf.py` maps its config and weights) into a run
+directory that `python -m spmd3d.train RUN_DIR/config.yaml` fine-tunes on any mesh: a step-0
+checkpoint in the canonical [L, ...] layout (fresh optimizer state), `config.yaml` (the model's
+fields from `config.json`, the rest from `--config` and the overrides) and `hf/` (the original
+`config.json`, tokenizer and generation files, which an export hands back).
+
+Each weight goes straight into its sharding on this process's devices: a stacked weight is
+converted one layer at a time and each layer's slice copied into the shards that hold it, so
+a host holds at most its own shards of one weight plus one layer, never the model.
+
+Export reads a checkpoint one weight at a time (a host holds the largest stacked weight,
+e.g. 15 GB for LLaMA-3 8B's MLP in fp32) and writes `config.json` and safetensors files
+(`--max-shard-gb` each, with the index transformers reads when there are several) that
+`transformers.LlamaForCausalLM.from_pretrained` loads as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from . import cli
+from . import config as config_lib
+from .config import Config, ConfigError
+from .mesh import simulate_devices
+
+LOG = logging.getLogger("spmd3d")
+# files of a HF model directory that travel with the weights (tokenizer, sampling defaults)
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "generation_config.json")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+COMMAND = cli.Command(
+    prog="python -m spmd3d.convert",
+    usage=("import HF_DIR RUN_DIR [key=value ...] [--config=PRESET]  |  "
+           "export RUN_DIR HF_DIR [--step=N] [--dtype=D] [--max-shard-gb=N]"),
+    description=("Import a Hugging Face LLaMA-family directory (config.json + safetensors) into "
+                 "a run directory that `python -m spmd3d.train RUN_DIR/config.yaml` fine-tunes "
+                 "on any mesh; or export a run's checkpoint as a directory that "
+                 "transformers.LlamaForCausalLM.from_pretrained loads. key=value overrides the "
+                 "run's config (mesh.*, train.*, optim.*: see python -m spmd3d.train --help); "
+                 "the model.* shape fields come from config.json."),
+    flags=(cli.Flag("--config", kind="str", help="import: the run's config before the "
+                                                "overrides (a preset's name or a YAML path)"),
+           cli.Flag("--step", kind="int", minimum=0, help="export: this step (default newest)"),
+           cli.Flag("--dtype", kind="str", help="export: float32 (default), bfloat16 or float16"),
+           cli.Flag("--max-shard-gb", kind="int", minimum=1,
+                    help="export: largest safetensors file, GB (default 5)")),
+    takes_config=False,
+)
+
+
+# ------------------------------------------------------------------------------------ import
+def import_config(hf_dir: str | Path, preset: str | None = None, overrides=()) -> Config:
+    """The run's config: defaults <- `preset` <- `overrides` <- the model's fields from
+    `HF_DIR/config.json` (validated once, all together: the mesh must suit that model)."""
+    from .hf import Reader, model_fields
+
+    fields = model_fields(Reader(hf_dir).config, f"{hf_dir}/config.json")
+    return config_lib.load(preset, [*overrides, *(f"model.{k}={v}" for k, v in fields.items())])
+
+
+def load_params(hf_dir: str | Path, cfg, target):
+    """The parameters of `HF_DIR` as `target` (the abstract params, canonical layer order, every
+    leaf a ShapeDtypeStruct with its sharding) says: a pytree of jax Arrays."""
+    from . import store
+    from .hf import WEIGHTS, Reader
+
+    reader = Reader(hf_dir)
+    entries = store.flat(target)
+    missing = set(entries) - {w.key for w in WEIGHTS}
+    assert not missing, f"no conversion for {sorted(missing)}"
+    arrays = {w.key: _place(reader, w, cfg.model, entries[w.key]) for w in WEIGHTS}
+    return store.unflat(target, arrays)
+
+
+def _place(reader, w, model, aval):
+    """One weight as a jax Array in `aval.sharding`, each layer converted once."""
+    import jax
+    import numpy as np
+
+    from .hf import HFError
+
+    shape, devices = aval.shape, aval.sharding.addressable_devices_indices_map(aval.shape)
+    bounds = {d: tuple(s.indices(n)[:2] for s, n in zip(idx, shape)) for d, idx in devices.items()}
+    shards = {b: np.empty([hi - lo for lo, hi in b], aval.dtype) for b in set(bounds.values())}
+
+    def convert(layer=None):
+        try:
+            out = reader.layer(w, model, layer, aval.dtype)
+        except ValueError as e:  # a reshape that cannot be: shapes disagree with config.json
+            out = e
+        want = shape[1:] if w.stacked else shape
+        if isinstance(out, Exception) or out.shape != tuple(want):
+            names = w.hf_names(layer)
+            got = [tuple(reader[n].shape) for n in names if n in reader]
+            raise HFError("HF_DIR", f"{', '.join(names)} of shape {got} does not fit "
+                                    f"config.json's model ({w.key} should be {tuple(want)})")
+        return out
+
+    def cut(full, b):
+        return full[tuple(slice(lo, hi) for lo, hi in b)]
+
+    if w.stacked:
+        for layer in range(shape[0]):
+            users = [b for b in shards if b[0][0] <= layer < b[0][1]]
+            if users:
+                full = convert(layer)
+                for b in users:
+                    shards[b][layer - b[0][0]] = cut(full, b[1:])
+    else:
+        full = convert()
+        for b in shards:
+            shards[b][...] = cut(full, b)
+    arrays = [jax.device_put(shards[bounds[d]], d) for d in devices]
+    return jax.make_array_from_single_device_arrays(shape, aval.sharding, arrays)
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None) -> Path:
+    """Writes RUN_DIR: config.yaml, hf/ and a step-0 checkpoint of HF_DIR's weights."""
+    import jax
+    import jax.numpy as jnp
+    import yaml
+
+    from . import store
+    from .checkpoint import Checkpointer
+    from .optim import make_optimizer
+    from .plan import Plan
+    from .runtime import checkpoint_meta
+    from .step import TrainState, canonical_state
+
+    run_dir, hf_dir = Path(run_dir), Path(hf_dir)
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise ConfigError("RUN_DIR", f"{run_dir} already holds checkpoints (import into a new "
+                                     "directory; nothing was changed)")
+    cfg = config_lib.override(cfg, run={"dir": str(run_dir)})
+    plan = Plan.resolve(cfg, devices)
+    abstract, shardings = canonical_state(plan)
+    target = store.abstract_like(abstract, shardings)
+    params = load_params(hf_dir, cfg, target.params)
+    with jax.set_mesh(plan.mesh):
+        opt = jax.jit(make_optimizer(cfg.optim).init, out_shardings=shardings.opt)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    state = TrainState(step, params, opt)
+    if jax.process_index() == 0:
+        (run_dir / "hf").mkdir(parents=True, exist_ok=True)
+        for name in ("config.json",) + COMPANIONS:
+            if (hf_dir / name).is_file():
+                shutil.copy2(hf_dir / name, run_dir / "hf" / name)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(cfg),
+                                                            sort_keys=False))
+    meta = {**checkpoint_meta(plan, 0), "source": str(hf_dir.resolve())}
+    with Checkpointer(run_dir / "checkpoints", every=0, keep=cfg.checkpoint.keep,
+                      async_save=False) as ckpt:
+        ckpt.save(0, store.flat(state), meta, force=True)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------ export
+def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
+              dtype: str = "float32", max_bytes: int = 5 << 30) -> list[str]:
+    """Writes HF_DIR from RUN_DIR's checkpoint (newest, or `step`); returns its weight files."""
+    import ml_dtypes
+    import numpy as np
+
+    from . import checkpoint
+    from .hf import WEIGHTS, Writer, hf_config
+
+    run_dir, hf_dir = Path(run_dir), Path(hf_dir)
+    if hf_dir.exists() and any(hf_dir.iterdir()):
+        raise ConfigError("HF_DIR", f"{hf_dir} is not empty (export into a new directory)")
+    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    meta = checkpoint.read_meta(run_dir, step)
+    cfg = config_lib.override(Config(), **meta["config"])
+    writer = Writer(hf_dir, max_bytes)
+    for w in WEIGHTS:
+        value = np.asarray(checkpoint.read(run_dir, [f"params/{w.key}"], meta["step"])[0]
+                           [f"params/{w.key}"])
+        for layer in (range(value.shape[0]) if w.stacked else [None]):
+            part = value if layer is None else value[layer]
+            for name, t in zip(w.hf_names(layer), w.to_hf(part, cfg.model)):
+                writer.add(name, t.astype(np_dtype))
+        del value
+    files = writer.close()
+    kept = run_dir / "hf"
+    base = json.loads((kept / "config.json").read_text()) if (kept / "config.json").is_file() else {}
+    config = hf_config(cfg.model, base, dtype)
+    (hf_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in COMPANIONS:
+        if (kept / name).is_file():
+            shutil.copy2(kept / name, hf_dir / name)
+    return files
+
+
+# ----------------------------------------------------------------------------------- command
+def _run(args: cli.Args) -> int:
+    pos = [a for a in args.positional if "=" not in a]
+    overrides = [a for a in args.positional if "=" in a]
+    if len(pos) != 3 or pos[0] not in ("import", "export"):
+        raise ConfigError("argv", f"usage: {COMMAND.prog} {COMMAND.usage}")
+    verb, src, dst = pos
+    if not Path(src).is_dir():
+        raise ConfigError("HF_DIR" if verb == "import" else "RUN_DIR", f"{src} is not a directory")
+    if verb == "export":
+        if overrides or args.flags.get("--config"):
+            raise ConfigError("argv", "export takes no config (the checkpoint has its own)")
+        dtype = args.flags.get("--dtype", "float32")
+        if dtype not in EXPORT_DTYPES:
+            raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+        simulate_devices(1)
+        files = export_hf(src, dst, args.flags.get("--step"), dtype,
+                          args.flags.get("--max-shard-gb", 5) << 30)
+        LOG.info(f"exported {src} to {dst}: config.json, {', '.join(files)}")
+        return 0
+    from . import dist
+
+    cfg = import_config(src, args.flags.get("--config"), overrides)
+    simulate_devices(cfg.mesh.simulated_devices)
+    dist.initialize(cfg)
+    import_hf(src, dst, cfg)
+    LOG.info(f"imported {src} into {dst} (step 0); fine-tune with: python -m spmd3d.train "
+             f"{dst}/config.yaml [key=value ...]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(COMMAND, argv, _run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Hugging Face LLaMA <-> spmd3d: config fields, and every weight's name and layout both ways.
+
+A LLaMA-family directory holds `config.json` and `*.safetensors` (one file, or several listed by
+`model.safetensors.index.json`). Its weights map onto the checkpoint schema's keys (`store.py`):
+
+    model.embed_tokens.weight [V, D]                     -> embed [V, D]
+    model.layers.i.self_attn.{q,k,v}_proj.weight         -> blocks/attn/w_qkv [L, D, K, G+2, H]
+    model.layers.i.self_attn.o_proj.weight [D, K*G*H]    -> blocks/attn/w_o [L, K, G, H, D]
+    model.layers.i.mlp.{gate,up}_proj.weight [F, D]      -> blocks/mlp/w_gate_up [L, D, 2, F]
+    model.layers.i.mlp.down_proj.weight [D, F]           -> blocks/mlp/w_down [L, F, D]
+    model.layers.i.{input,post_attention}_layernorm      -> blocks/{attn,mlp}_norm/scale [L, D]
+    model.norm.weight, lm_head.weight [V, D]             -> final_norm/scale, head [D, V]
+
+Query head j belongs to kv head j // G in both (transformers' `repeat_kv`), and both rotate the
+(first half, second half) pairs of a head, so the fused weight is a reshape and a transpose: no
+permutation. A tied checkpoint (no `lm_head`) is untied: the head starts as the embedding's
+transpose and trains on its own; an export writes both.
+
+Numpy only (no jax, no torch). Safetensors are read through a memory map (the `safetensors`
+package cannot give numpy bfloat16, the dtype of published LLaMA weights) and written with
+`safetensors.numpy`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from .schema import ConfigError, ModelConfig
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+INDEX = "model.safetensors.index.json"
+
+
+class HFError(ConfigError):
+    """A Hugging Face directory this model cannot take (exit status 2, one line)."""
+
+
+# ------------------------------------------------------------------------------------- config
+def model_fields(hf: dict, where: str = "config.json") -> dict:
+    """`model.*` fields from a transformers LLaMA `config.json`; what the model cannot compute
+    the same way (biases, other activations, sliding windows, other RoPE scalings) is refused
+    with an `HFError` naming the field."""
+    def refuse(name, why):
+        raise HFError(f"{where}: {name}", why)
+
+    kind = hf.get("model_type")
+    if kind != "llama":
+        refuse("model_type", f"{kind!r} is not supported (only llama: LlamaForCausalLM)")
+    for name in ("attention_bias", "mlp_bias"):
+        if hf.get(name):
+            refuse(name, "biases are not supported (spmd3d's LLaMA has none)")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", f"{hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
+    if hf.get("sliding_window"):
+        refuse("sliding_window", "sliding-window attention is not supported")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
+    rope.update(hf.get("rope_scaling") or {})
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    fields = dict(num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], num_heads=heads,
+                  num_kv_heads=hf.get("num_key_value_heads") or heads,
+                  d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+                  head_dim=0 if head_dim * heads == hf["hidden_size"] else head_dim,
+                  rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                  rope_scaling="none")
+    if kind == "llama3":
+        fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                      rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    elif kind != "default":
+        refuse("rope_scaling", f"rope_type {kind!r} is not supported (default or llama3)")
+    return fields
+
+
+def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
+    """A transformers `config.json` for `cfg`: `base` (the imported model's own, keeping its
+    token ids and the like) with every field this model decides overwritten."""
+    out = {k: v for k, v in (base or {}).items()
+           if k not in ("rope_parameters", "rope_scaling", "auto_map", "quantization_config")}
+    heads, d = cfg.num_heads, cfg.d_model
+    out.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=d,
+               num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
+               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.dim_per_head,
+               intermediate_size=cfg.d_ff, vocab_size=cfg.vocab_size, hidden_act="silu",
+               rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
+               mlp_bias=False, tie_word_embeddings=False, torch_dtype=dtype)
+    if "dtype" in out:  # transformers 5 writes `dtype`, 4 reads `torch_dtype`
+        out["dtype"] = dtype
+    out.setdefault("max_position_embeddings", cfg.rope_original_max_len)
+    out["rope_scaling"] = None if cfg.rope_scaling == "none" else {
+        "rope_type": "llama3", "factor": cfg.rope_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_len}
+    return out
+
+
+# ------------------------------------------------------------------------------------ weights
+@dataclass(frozen=True)
+class Weight:
+    """One parameter: its checkpoint key (under `params/`), the HF tensors it is made of (for
+    stacked ones, per layer: `{}` is the layer's index), and the two conversions of one layer."""
+
+    key: str
+    names: tuple[str, ...]
+    to_ours: Callable  # (list of HF arrays, ModelConfig) -> our array
+    to_hf: Callable  # (our array, ModelConfig) -> list of HF arrays, in `names`' order
+
+    @property
+    def stacked(self) -> bool:
+        return self.key.startswith("blocks/")
+
+    def hf_names(self, layer: int | None = None) -> list[str]:
+        return [n.format(layer) for n in self.names]
+
+
+def _qkv_in(ts, cfg):
+    q, k, v = ts
+    kv, h, d = cfg.num_kv_heads, cfg.dim_per_head, cfg.d_model
+    g = cfg.num_heads // kv
+    fused = np.concatenate([q.reshape(kv, g, h, d), k.reshape(kv, 1, h, d),
+                            v.reshape(kv, 1, h, d)], axis=1)  # [K, G+2, H, D]
+    return fused.transpose(3, 0, 1, 2)
+
+
+def _qkv_out(w, cfg):
+    t, g, d = w.transpose(1, 2, 3, 0), cfg.num_heads // cfg.num_kv_heads, cfg.d_model
+    return [t[:, :g].reshape(-1, d), t[:, g].reshape(-1, d), t[:, g + 1].reshape(-1, d)]
+
+
+_LAYER = "model.layers.{}."
+_T = lambda ts, cfg: ts[0].T  # noqa: E731 -- [out, in] <-> [in, out]
+_T_OUT = lambda w, cfg: [w.T]  # noqa: E731
+_SAME = lambda ts, cfg: ts[0]  # noqa: E731
+_SAME_OUT = lambda w, cfg: [w]  # noqa: E731
+
+WEIGHTS = (
+    Weight("embed", ("model.embed_tokens.weight",), _SAME, _SAME_OUT),
+    Weight("blocks/attn_norm/scale", (_LAYER + "input_layernorm.weight",), _SAME, _SAME_OUT),
+    Weight("blocks/attn/w_qkv", tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+           _qkv_in, _qkv_out),
+    Weight("blocks/attn/w_o", (_LAYER + "self_attn.o_proj.weight",),
+           lambda ts, cfg: ts[0].T.reshape(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
+                                           cfg.dim_per_head, cfg.d_model),
+           lambda w, cfg: [w.reshape(-1, cfg.d_model).T]),
+    Weight("blocks/mlp_norm/scale", (_LAYER + "post_attention_layernorm.weight",), _SAME, _SAME_OUT),
+    Weight("blocks/mlp/w_gate_up", (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"),
+           lambda ts, cfg: np.stack([ts[0].T, ts[1].T], axis=1),
+           lambda w, cfg: [w[:, 0].T, w[:, 1].T]),
+    Weight("blocks/mlp/w_down", (_LAYER + "mlp.down_proj.weight",), _T, _T_OUT),
+    Weight("final_norm/scale", ("model.norm.weight",), _SAME, _SAME_OUT),
+    Weight("head", ("lm_head.weight",), _T, _T_OUT),
+)
+
+
+# -------------------------------------------------------------------------- safetensors files
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+class Reader:
+    """The tensors of a HF directory by name, each a read-only view of a memory map (nothing is
+    read until used): `reader[name] -> np.ndarray`."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        if not (self.dir / "config.json").is_file():
+            raise HFError("HF_DIR", f"{self.dir} has no config.json (not a transformers model)")
+        self.config = json.loads((self.dir / "config.json").read_text())
+        index = self.dir / INDEX
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+        if not files:
+            raise HFError("HF_DIR", f"{self.dir} has no *.safetensors weights (convert .bin "
+                                    "weights with transformers' save_pretrained first)")
+        self._where: dict[str, tuple[Path, dict, int]] = {}
+        for name in files:
+            path = self.dir / name
+            if not path.is_file():
+                raise HFError("HF_DIR", f"{path} is listed in {INDEX} but missing")
+            header, start = _header(path)
+            for key, info in header.items():
+                if key != "__metadata__":
+                    self._where[key] = (path, info, start)
+        self._maps: dict[Path, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise HFError("HF_DIR", f"{self.dir} has no tensor {name!r}")
+        path, info, start = self._where[name]
+        if info["dtype"] not in _DTYPES:
+            raise HFError("HF_DIR", f"{name} has dtype {info['dtype']} (not a float tensor)")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, np.uint8, mode="r")
+        a, b = info["data_offsets"]
+        raw = self._maps[path][start + a:start + b]
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def layer(self, w: Weight, cfg: ModelConfig, layer: int | None = None,
+              dtype=np.float32) -> np.ndarray:
+        """Weight `w` (of one layer when stacked) in our layout, as `dtype`."""
+        names = w.hf_names(layer)
+        if w.key == "head" and names[0] not in self:  # tied: the head is the embedding
+            names = ["model.embed_tokens.weight"]
+        return np.ascontiguousarray(w.to_ours([self[n].astype(dtype) for n in names], cfg))
+
+
+class Writer:
+    """Writes tensors into `model-XXXXX-of-YYYYY.safetensors` files of at most `max_bytes`
+    each (a lone `model.safetensors` when one is enough) and the index transformers reads."""
+
+    def __init__(self, directory: str | Path, max_bytes: int = 5 << 30):
+        self.dir, self.max_bytes = Path(directory), max_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._pending: dict[str, np.ndarray] = {}
+        self._files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self._pending and self._bytes() + array.nbytes > self.max_bytes:
+            self._flush()
+        self._pending[name] = np.ascontiguousarray(array)
+        self.total += array.nbytes
+
+    def _bytes(self) -> int:
+        return sum(a.nbytes for a in self._pending.values())
+
+    def _flush(self) -> None:
+        from safetensors.numpy import save_file
+
+        path = self.dir / f"part-{len(self._files):05d}.safetensors.tmp"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        self._files.append((path, list(self._pending)))
+        self._pending = {}
+
+    def close(self) -> list[str]:
+        """Names the files for good and writes the index; returns the file names."""
+        if self._pending or not self._files:
+            self._flush()
+        n = len(self._files)
+        names = (["model.safetensors"] if n == 1 else
+                 [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        for (path, _), name in zip(self._files, names):
+            path.rename(self.dir / name)
+        if n > 1:
+            weight_map = {t: name for (_, tensors), name in zip(self._files, names) for t in tensors}
+            (self.dir / INDEX).write_text(json.dumps(
+                {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+        return names
