@@ -127,6 +127,7 @@ class Experiment:
         self.compile_seconds: float | None = None
         self._state = None
         self._compiled = None
+        self._samples: dict = {}
 
     def __repr__(self) -> str:
         p = self.cfg.parallel
@@ -178,6 +179,21 @@ class Experiment:
         """The held-out loss of the current state: the mean over `run.eval_batches` fixed
         batches of the held-out split (`data.eval_fraction` or `data.eval_path`)."""
         return self.job.evaluate(self.state.params)
+
+    def sample(self, prompt: str | None = None, tokens: int | None = None) -> str:
+        """`prompt` (default `run.sample_prompt`) and its continuation of `tokens` new
+        tokens by the current parameters, as the run's samples are made (`generate.Samples`)."""
+        from .generate import Samples
+
+        from dataclasses import replace
+
+        run = {"sample_prompt": prompt or self.cfg.run.sample_prompt,
+               "sample_tokens": tokens or self.cfg.run.sample_tokens}
+        key = tuple(run.values())
+        if key not in self._samples:  # compiled once per prompt length and token count
+            self._samples[key] = Samples(replace(self.plan, cfg=config_lib.override(
+                self.plan.cfg, run=run)))
+        return self._samples[key](self.state.params)
 
     # -- where things live ----------------------------------------------------------------
 

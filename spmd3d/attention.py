@@ -49,6 +49,16 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
 
 
+def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt):
+    """Queries at absolute positions[B, T] over a KV cache k/v[B, S, K, H] whose slot s holds
+    position s: a query at p sees the keys at 0..p (the cache's later slots are not written
+    yet, or hold padding). For generation; scores and softmax in fp32."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    mask = jnp.arange(k_bskh.shape[1]) <= positions_bt[:, None, None, :, None]
+    p = jax.nn.softmax(jnp.where(mask, s * q_btkgh.shape[-1] ** -0.5, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgts,bskh->btkgh", p.astype(v_bskh.dtype), v_bskh)
+
+
 def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
     """The attention function `(q, k, v) -> out` of `kind` (see the table above). `ring` needs
     the ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);

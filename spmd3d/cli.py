@@ -4,7 +4,7 @@ An entry point declares a `Command` (its flags, each with a line of help) and en
 `run(COMMAND, argv, body)`. Config commands take `[CONFIG.yaml] [key=value ...]`, and their
 `--help` lists every config field from `config.field_docs()`, so the help cannot drift from the
 dataclasses. Every user mistake is a `ConfigError`/`DataError` and becomes one `error:` line and
-exit status 2. This module imports only the standard library, `config` and `data`: `--help` and
+exit status 2. This module imports only the standard library, `config` and `schema`: `--help` and
 bad arguments must answer at once, and the device count must be settable before jax starts.
 """
 
@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import config as config_lib
 from .config import ConfigError
-from .data import DataError
+from .schema import DataError
 
 KINDS = ("switch", "int", "str")
 
@@ -125,9 +125,24 @@ def _flags(command: Command) -> tuple[Flag, ...]:
     return command.flags + ((CONFIG_DIR,) if command.takes_config else ())
 
 
+def _join_values(command: Command, argv: list[str]) -> list[str]:
+    """`--name VALUE` as `--name=VALUE` for flags that take a value."""
+    valued = {f.name for f in _flags(command) if f.kind != "switch"}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in valued and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def parse(command: Command, argv: list[str]) -> Args:
     """argv -> Args, every flag checked against the command's flags; raises
     ConfigError('argv', ...)."""
+    argv = _join_values(command, argv)
     rest = [a for a in argv if not _is_flag(a)]
     flags = dict(_flag_value(command, a) for a in argv if _is_flag(a))
     if not command.takes_config:
@@ -140,7 +155,9 @@ def _show(value) -> str:
     """A default as it is written after `key=`: YAML's true/false, and "" for the empty string."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return '""' if value == "" else str(value)
+    if isinstance(value, str) and (value == "" or value != value.strip()):
+        return json.dumps(value)  # quoted as it must be typed: "" or "def "
+    return str(value)
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

@@ -8,6 +8,7 @@ config raises `ConfigError(field, message)`; the entry points turn it into one l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import typing
@@ -126,10 +127,10 @@ def find_config(name: str, config_dir: str | None = None) -> Path:
 
 
 def load(path: str | None = None, overrides: list[str] | tuple = (),
-         config_dir: str | None = None) -> Config:
-    """Defaults <- YAML file (a path or a preset's name, see `find_config`) <- `key=value`
-    overrides, then validated. Raises ConfigError."""
-    tree: dict = {}
+         config_dir: str | None = None, base: dict | None = None) -> Config:
+    """Defaults <- YAML file (a path or a preset's name, see `find_config`) or `base` (a
+    config as `to_dict` gives it) <- `key=value` overrides, then validated. Raises ConfigError."""
+    tree: dict = copy.deepcopy(base) if base else {}
     if path:
         p = find_config(path, config_dir)
         try:
@@ -243,13 +244,16 @@ def validate(cfg: Config) -> None:
     _need(0 <= op.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
     _need(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _need(op.clip_norm >= 0, "optim.clip_norm", "must be >= 0 (0 disables clipping)")
-    _need(cfg.data.tokenizer == "bytes", "data.tokenizer", "only 'bytes' is available")
+    _need(bool(cfg.data.tokenizer), "data.tokenizer", "bytes, a tokenizer.json or a directory "
+                                                      "holding one")
     if cfg.data.tokenizer == "bytes" and not cfg.data.path:
         _need(m.vocab_size >= 256, "model.vocab_size", "byte tokens need vocab_size >= 256")
     _need(cfg.run.log_every > 0, "run.log_every", "must be positive")
     _need(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in [0, 1)")
     _need(cfg.run.eval_every >= 0, "run.eval_every", "must be >= 0 (0: never)")
     _need(cfg.run.eval_batches > 0, "run.eval_batches", "must be positive")
+    _need(cfg.run.sample_every >= 0, "run.sample_every", "must be >= 0 (0: never)")
+    _need(cfg.run.sample_tokens > 0, "run.sample_tokens", "must be positive")
     _need(not cfg.run.eval_every or cfg.data.eval_fraction > 0 or bool(cfg.data.eval_path),
           "run.eval_every", "needs held-out data: data.eval_fraction > 0 or data.eval_path")
     _need(bool(cfg.run.dir), "run.dir", "must not be empty")

@@ -63,7 +63,9 @@ def import_config(hf_dir: str | Path, preset: str | None = None, overrides=()) -
     from .hf import Reader, model_fields
 
     fields = model_fields(Reader(hf_dir).config, f"{hf_dir}/config.json")
-    return config_lib.load(preset, [*overrides, *(f"model.{k}={v}" for k, v in fields.items())])
+    tokenizer = [f"data.tokenizer={hf_dir}"] if (Path(hf_dir) / "tokenizer.json").is_file() else []
+    return config_lib.load(preset, [*tokenizer, *overrides,
+                                    *(f"model.{k}={v}" for k, v in fields.items())])
 
 
 def load_params(hf_dir: str | Path, cfg, target):
@@ -139,7 +141,9 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise ConfigError("RUN_DIR", f"{run_dir} already holds checkpoints (import into a new "
                                      "directory; nothing was changed)")
-    cfg = config_lib.override(cfg, run={"dir": str(run_dir)})
+    kept = {"dir": str(run_dir)}, ({"tokenizer": str(run_dir / "hf")}
+                                   if cfg.data.tokenizer == str(hf_dir) else {})
+    cfg = config_lib.override(cfg, run=kept[0], data=kept[1])  # the run keeps its tokenizer
     plan = Plan.resolve(cfg, devices)
     abstract, shardings = canonical_state(plan)
     target = store.abstract_like(abstract, shardings)
@@ -189,7 +193,8 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
         del value
     files = writer.close()
     kept = run_dir / "hf"
-    base = json.loads((kept / "config.json").read_text()) if (kept / "config.json").is_file() else {}
+    original = kept / "config.json"
+    base = json.loads(original.read_text()) if original.is_file() else {}
     config = hf_config(cfg.model, base, dtype)
     (hf_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in COMPANIONS:

@@ -53,8 +53,9 @@ def model_fields(hf: dict, where: str = "config.json") -> dict:
         raise HFError(f"{where}: {name}", why)
 
     kind = hf.get("model_type")
-    if kind != "llama":
-        refuse("model_type", f"{kind!r} is not supported (only llama: LlamaForCausalLM)")
+    if kind not in ("llama", "mistral"):  # Mistral without a sliding window is a LLaMA
+        refuse("model_type", f"{kind!r} is not supported (llama, or mistral without "
+                             "sliding_window)")
     for name in ("attention_bias", "mlp_bias"):
         if hf.get(name):
             refuse(name, "biases are not supported (spmd3d's LLaMA has none)")
@@ -154,7 +155,8 @@ WEIGHTS = (
            lambda ts, cfg: ts[0].T.reshape(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
                                            cfg.dim_per_head, cfg.d_model),
            lambda w, cfg: [w.reshape(-1, cfg.d_model).T]),
-    Weight("blocks/mlp_norm/scale", (_LAYER + "post_attention_layernorm.weight",), _SAME, _SAME_OUT),
+    Weight("blocks/mlp_norm/scale", (_LAYER + "post_attention_layernorm.weight",), _SAME,
+           _SAME_OUT),
     Weight("blocks/mlp/w_gate_up", (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"),
            lambda ts, cfg: np.stack([ts[0].T, ts[1].T], axis=1),
            lambda w, cfg: [w[:, 0].T, w[:, 1].T]),
@@ -261,7 +263,8 @@ class Writer:
         for (path, _), name in zip(self._files, names):
             path.rename(self.dir / name)
         if n > 1:
-            weight_map = {t: name for (_, tensors), name in zip(self._files, names) for t in tensors}
+            weight_map = {t: name for (_, tensors), name in zip(self._files, names)
+                          for t in tensors}
             (self.dir / INDEX).write_text(json.dumps(
                 {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
         return names

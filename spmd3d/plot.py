@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import cli
-from .data import DataError
+from .schema import DataError
 
 COMMAND = cli.Command(
     prog="python -m spmd3d.plot",

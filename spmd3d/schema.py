@@ -20,6 +20,18 @@ class ConfigError(ValueError):
         self.field = field
 
 
+class DataError(ValueError):
+    """Bad data input, blamed on one config field so the message can point the user at it.
+
+    ``.field`` is the config field to blame (e.g. ``'data.path'``); ``str(e)`` is one line.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = " ".join(str(message).split())  # keep it to one line
+        super().__init__(f"{field}: {self.message}")
+
+
 def doc(default, help: str):
     """A dataclass field with a one-line meaning, read by `field_docs` for `--help`."""
     return field(default=default, metadata={"help": help})
@@ -90,7 +102,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = doc(150, "optimizer steps")
+    steps: int = doc(600, "optimizer steps")
     global_batch: int = doc(32, "sequences per step, over all devices")
     seq_len: int = doc(128, "tokens per sequence")
     microbatches: int = doc(1, "pipeline microbatches (or gradient accumulation steps)")
@@ -114,7 +126,7 @@ class OptimConfig:
 class DataConfig:
     # The embedded corpus is Python's standard library sources: always there, nothing to download.
     path: str = doc("", "token file, text file or directory; empty: the embedded corpus")
-    tokenizer: str = doc("bytes", "how text becomes tokens; only bytes")
+    tokenizer: str = doc("bytes", "bytes (vocab 256), or a HF tokenizer.json or model directory")
     # held out from training: the corpus's last tokens, unless eval_path names other data
     eval_fraction: float = doc(0.01, "share of the corpus held out for eval_loss, in [0, 1)")
     eval_path: str = doc("", "held-out data (a file or directory as data.path); empty: split")
@@ -128,6 +140,10 @@ class RunConfig:
     eval_every: int = doc(50, "held-out loss every N steps and at the end; 0: never")
     eval_batches: int = doc(4, "global batches of held-out windows per evaluation (fixed)")
     tensorboard: bool = doc(False, "also write TensorBoard events to run.dir/tensorboard")
+    sample_every: int = doc(100, "print a sample (temperature 0.7, top-p 0.9, seed 0) every "
+                                 "N steps and keep it in samples.jsonl; 0: never")
+    sample_prompt: str = doc("def", "the text a sample continues")
+    sample_tokens: int = doc(64, "new tokens per sample")
     memory_check: bool = doc(True, "refuse a step that needs more memory than a device has, "
                                    "before the first step")
 

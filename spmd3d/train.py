@@ -78,6 +78,34 @@ def _sinks(job, run_dir: Path, lead: bool):
     return sinks
 
 
+def _samples(job, lead: bool):
+    """The sampler of `run.sample_every`, or None (off, or its copy of the parameters would
+    not fit beside the training state: a warning, not an error)."""
+    from .generate import Samples
+
+    if not job.cfg.run.sample_every:
+        return None
+    samples = Samples(job.plan)
+    if samples.fits(job.need):
+        return samples
+    if lead:
+        LOG.warning(f"warning: no samples: their copy of the parameters needs "
+                    f"{samples.bytes / 2**30:.1f} GiB per device beside the state's "
+                    f"{job.need['arguments'] / 2**30:.1f} GiB (run.sample_every=0 silences this)")
+    return None
+
+
+def _sample(samples, params, step: int, run_dir: Path, lead: bool) -> None:
+    """One sample: printed, and a line of samples.jsonl."""
+    import json
+
+    text = samples(params)
+    if lead:
+        LOG.info(f"sample at step {step}:\n{text}")
+        with open(run_dir / "samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "text": text}) + "\n")
+
+
 def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     import jax
 
@@ -94,6 +122,7 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
         LOG.info(f"{'resumed at' if saved else 'starting at'} step {start}; "
                  f"the step compiled in {compile_s:.1f} s")
 
+    samples = _samples(job, lead)
     sinks = _sinks(job, run_dir, lead)
     records, t_last, steps_since = [], time.perf_counter(), 0
     every, steps = cfg.run.eval_every, cfg.train.steps
@@ -104,7 +133,8 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     for step in range(start, steps):
         done = step + 1
         evaluate = every and (done % every == 0 or (done == steps and done >= every))
-        logged = done % cfg.run.log_every == 0 or done == steps or evaluate
+        sample = samples and done % cfg.run.sample_every == 0
+        logged = done % cfg.run.log_every == 0 or done == steps or evaluate or sample
         try:
             memory.fake_oom(step)
             state, metrics = compiled(state, job.global_batch(step))
@@ -121,9 +151,11 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
             if evaluate:
                 rec["eval_loss"] = job.evaluate(state.params)
                 rec["eval_perplexity"] = math.exp(min(rec["eval_loss"], 700))
-            t_last, steps_since = time.perf_counter(), 0  # evaluation is not step time
             records.append(rec)
             sinks.write(rec)
+            if sample:
+                _sample(samples, state.params, done, run_dir, lead)
+            t_last, steps_since = time.perf_counter(), 0  # evaluation is not step time
         if done < steps and preemption.stop_at(done):
             save(done, force=True)
             ckpt.wait()
@@ -147,7 +179,8 @@ def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float)
     from .metrics import duration
     from .plot import plot_runs
 
-    outputs = ["metrics.jsonl", "checkpoints/"]
+    outputs = ["metrics.jsonl", "checkpoints/"] + (["samples.jsonl"] if (run_dir / "samples.jsonl")
+                                                   .is_file() else [])
     try:
         plot_runs([run_dir], run_dir / "curves.png")
         outputs.insert(1, "curves.png")

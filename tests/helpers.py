@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 
@@ -77,3 +79,28 @@ def assert_grads_match(cfg, reference_grads):
         scale = np.max(np.abs(r))
         assert scale > 0, k
         assert np.max(np.abs(g - r)) <= 1e-5 * scale, (k, np.max(np.abs(g - r)), scale)
+
+
+DOCS = {"a.txt": "def add(a, b):\n    return a + b\n", "sub/b.md": "# Title\n\nSome words here.\n",
+        "sub/skip.bin": "not text"}
+
+
+def bpe_dir(path, vocab=300):
+    """A byte-level BPE like LLaMA 3's: a begin-of-text token added in front of every text,
+    an end-of-text token named by tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|begin_of_text|>",
+                                                                    "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(DOCS.values()) * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|end_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path

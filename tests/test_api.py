@@ -174,6 +174,9 @@ def test_save_and_restore_onto_other_meshes(dp, tp, tmp_path):
     assert pp.mesh.shape["stage"] == 2 and pp.step == STEPS
     for k, v in pp.canonical_params().items():
         assert np.array_equal(v, saved[k]), k
+    # a sample of the restored parameters, made as a training run makes them (tensor 4)
+    text = pp.sample("def ", 5)
+    assert text.startswith("def ") and len(text.encode()) >= len("def ") + 1
 
     with pytest.raises(FileNotFoundError):
         spmd3d.restore(tp, tmp_path / "empty")

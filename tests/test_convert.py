@@ -89,6 +89,20 @@ def test_import_gives_transformers_logits(models, variant, tmp_path):
         assert np.abs(ours_logits(plain, read_params(tmp_path / "run", cfg)) - ref).max() > 1e-3
 
 
+def test_mistral_without_a_sliding_window_is_a_llama(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(3)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=None)).eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        ref = model(torch.tensor(TOKENS)).logits.numpy()
+    ours = ours_logits(run_config(tmp_path), hf_dir=tmp_path)
+    assert np.abs(ours - ref).max() < 1e-4
+
+
 @pytest.mark.parametrize("mesh", [dict(data=2, stage=1, tensor=4, seq=1),
                                   dict(data=1, stage=2, tensor=4, seq=1)],
                          ids=["data2_tensor4", "stage2_tensor4"])
@@ -139,13 +153,16 @@ def _hf_dir(tmp_path, **changes):
 
 
 @pytest.mark.parametrize("case,blamed", [
-    ("missing", "HF_DIR"), ("mistral", "model_type"), ("bias", "attention_bias"),
+    ("missing", "HF_DIR"), ("gpt2", "model_type"), ("sliding", "sliding_window"),
+    ("bias", "attention_bias"),
     ("yarn", "rope_scaling"), ("no_weights", "safetensors"), ("shape", "q_proj"),
     ("not_empty", "RUN_DIR"), ("bad_dtype", "--dtype")])
 def test_bad_input_is_one_line_and_exit_2(case, blamed, tmp_path, capsys):
     src, dst, extra = tmp_path / "hf", tmp_path / "run", []
-    if case == "mistral":
-        _hf_dir(src, model_type="mistral")
+    if case == "gpt2":
+        _hf_dir(src, model_type="gpt2")
+    elif case == "sliding":
+        _hf_dir(src, model_type="mistral", sliding_window=4096)
     elif case == "bias":
         _hf_dir(src, attention_bias=True)
     elif case == "yarn":

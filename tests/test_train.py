@@ -6,7 +6,7 @@ import numpy as np
 import yaml
 
 from helpers import SMALL
-from spmd3d import config
+from spmd3d import config, generate
 from spmd3d.train import main, train
 
 
@@ -63,7 +63,14 @@ def test_circular_pipeline_checkpoint_is_canonical(tmp_path):
     ref = train(cfg_in(tmp_path / "ref", "train.steps=4", "mesh.data=8", *L4))
     run = tmp_path / "run"
     train(cfg_in(run, "train.steps=2", "mesh.data=2", "mesh.stage=2", "mesh.tensor=2",
-                 "parallel.pipeline_repeats=2", *L4))
+                 "parallel.pipeline_repeats=2", "run.sample_every=2", "run.sample_tokens=12",
+                 *L4))
+    # the sample taken from the pipeline's layout is what the checkpoint generates on one device
+    sample = json.loads((run / "samples.jsonl").read_text())
+    plan, graphdef, params, tok = generate.load(run, ["mesh.simulated_devices=0"])
+    one = generate.Generator(plan, graphdef, params, generate.TEMPERATURE, generate.TOP_P)
+    new = one.generate([tok.encode("def")], 12)[0]
+    assert sample == {"step": 2, "text": "def" + tok.decode(new)}
     more = train(cfg_in(run, "train.steps=4", "mesh.data=8", *L4))
     got = np.array([r["loss"] for r in more])
     want = np.array([r["loss"] for r in ref[2:]])

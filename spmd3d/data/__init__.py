@@ -15,23 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..schema import DataError  # noqa: F401 -- where users import it from
+
 _CORPUS_CAP = 16 * 1024 * 1024
 _SEPARATOR = b"\n\n"
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
 _TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst"})
-_TOKENIZERS = ("bytes",)
-
-
-class DataError(ValueError):
-    """Bad data input, blamed on one config field so the message can point the user at it.
-
-    ``.field`` is the config field to blame (e.g. ``'data.path'``); ``str(e)`` is one line.
-    """
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        self.message = " ".join(str(message).split())  # keep it to one line
-        super().__init__(f"{field}: {self.message}")
 
 
 def _concat_files(files: list[Path], cap: int | None = None) -> bytes:
@@ -68,9 +57,31 @@ def default_corpus() -> np.ndarray:
     return arr
 
 
-def _check_tokenizer(tokenizer: str) -> None:
-    if tokenizer not in _TOKENIZERS:
-        raise DataError("data.tokenizer", f"unknown tokenizer {tokenizer!r}; supported: {', '.join(_TOKENIZERS)}")
+def _text_tokens(texts, tokenizer: str) -> np.ndarray:
+    """Documents (a list of bytes, or one `bytes`) as tokens: raw bytes, or the HF tokenizer's
+    ids with its end-of-text token after each document."""
+    if tokenizer == "bytes":
+        return np.frombuffer(texts if isinstance(texts, bytes) else b"".join(
+            t + _SEPARATOR for t in texts), dtype=np.uint8)
+    from tqdm import tqdm
+
+    from ..tokenizer import load, token_dtype
+
+    tok = load(tokenizer)
+    docs = [texts] if isinstance(texts, bytes) else texts
+    ids: list[int] = []
+    for i in tqdm(range(0, len(docs), 64), desc="tokenizing", unit=" batches", disable=None,
+                  leave=False):
+        for doc in tok.encode_batch([d.decode("utf-8", errors="replace") for d in docs[i:i + 64]]):
+            ids.extend(doc + ([] if tok.eos_id is None else [tok.eos_id]))
+    return np.asarray(ids, token_dtype(tok.vocab_size))
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_corpus_tokens(tokenizer: str) -> np.ndarray:
+    """The embedded corpus through a HF tokenizer (in pieces, on all cores)."""
+    text = default_corpus().tobytes()
+    return _text_tokens([text[i:i + (1 << 20)] for i in range(0, len(text), 1 << 20)], tokenizer)
 
 
 def _nonempty(arr: np.ndarray, path: str) -> np.ndarray:
@@ -85,23 +96,24 @@ def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
     ``''`` gives :func:`default_corpus`. Pre-tokenized files are memory-mapped, never read whole, so
     corpora larger than host memory work: ``.npy`` (1-D integer), ``.bin``/``.u16`` (raw uint16),
     ``.u32`` (raw uint32). Any other file, or a directory (recursively, sorted, only
-    .txt/.md/.py/.rst files), is text tokenized with ``tokenizer``; ``'bytes'`` (uint8, vocab 256) is
-    the only one so far. The tokenizer is only checked where text is tokenized.
+    .txt/.md/.py/.rst files), is text tokenized with ``tokenizer``: ``'bytes'`` (uint8, vocab 256) or a Hugging Face
+    tokenizer (`tokenizer.py`; its end-of-text token after each file). For a large corpus,
+    tokenize once with ``python -m spmd3d.data prepare`` and train on the token file.
     """
     if path == "":
-        _check_tokenizer(tokenizer)
-        return default_corpus()
+        return default_corpus() if tokenizer == "bytes" else _cached_corpus_tokens(tokenizer)
     p = Path(os.path.expanduser(path))
     if not p.exists():
         raise DataError("data.path", f"{path!r} does not exist")
     try:
         if p.is_dir():
-            _check_tokenizer(tokenizer)
             files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in _TEXT_SUFFIXES),
                            key=lambda f: f.relative_to(p).as_posix())
             if not files:
                 raise DataError("data.path", f"directory {path!r} has no {'/'.join(sorted(_TEXT_SUFFIXES))} files")
-            return _nonempty(np.frombuffer(_concat_files(files), dtype=np.uint8), path)
+            if tokenizer == "bytes":
+                return _nonempty(np.frombuffer(_concat_files(files), dtype=np.uint8), path)
+            return _nonempty(_text_tokens([f.read_bytes() for f in files], tokenizer), path)
         suffix = p.suffix.lower()
         if suffix == ".npy":
             arr = np.load(p, mmap_mode="r", allow_pickle=False)
@@ -113,8 +125,7 @@ def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
             if p.stat().st_size == 0:
                 raise DataError("data.path", f"{path!r} holds no tokens")
             return _nonempty(np.memmap(p, dtype=dtype, mode="r"), path)
-        _check_tokenizer(tokenizer)
-        return _nonempty(np.frombuffer(p.read_bytes(), dtype=np.uint8), path)
+        return _nonempty(_text_tokens(p.read_bytes(), tokenizer), path)
     except (OSError, ValueError) as e:
         if isinstance(e, DataError):
             raise

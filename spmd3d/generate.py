@@ -1,0 +1,356 @@
+"""`python -m spmd3d.generate RUN_DIR|HF_DIR --prompt TEXT [--max-new N] [--temperature T]
+[--top-p P] [--seed S] [key=value ...]`: text from a trained run or a Hugging Face model.
+
+Decoding with a KV cache: the prompts are run once (prefill, all positions at once, writing
+every layer's keys and values into a cache of `train.seq_len` slots), then one token per step
+(decode: one position per row, attending over the cache). Both are jitted once for the batch
+and cache shapes, so a generation compiles two programs whatever its length. Rows may have
+prompts of different lengths: each row's tokens go to its own positions, and a query at
+position p sees cache slots 0..p only (`attention.cached_attention`), so the padding after a
+short prompt is overwritten before anything reads it.
+
+On one device by default, or sharded by the training rules (`mesh.tensor=4`: heads, MLP and
+vocabulary split over 4 devices, the cache split by kv heads). Greedy (temperature 0) picks
+the argmax; otherwise softmax(logits / T) restricted to the smallest set of tokens whose
+probability reaches `top_p`, sampled from a key that is a function of `--seed`, the step and
+the row. The command samples (T 0.7, top-p 0.9, seed 0) unless told otherwise, as do the
+samples a training run prints: greedy decoding of a small model tends to repeat itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from . import cli
+from . import config as config_lib
+from .config import ConfigError
+from .schema import DataError
+from .mesh import simulate_devices
+
+LOG = logging.getLogger("spmd3d")
+
+TEMPERATURE, TOP_P = 0.7, 0.9  # the command's and the training samples' defaults
+# the run's layout becomes one of plain tensor parallelism: no pipeline, ring or ZeRO
+SERVING = ["mesh.data=1", "mesh.stage=1", "mesh.tensor=1", "mesh.seq=1",
+           "mesh.simulated_devices=-1", "parallel.zero_stage=0", "parallel.pipeline_repeats=1", "train.microbatches=1",
+           "parallel.sequence_parallel=false", "train.global_batch=1"]
+
+
+def _next_token(logits_bv, key, temperature: float, top_p: float):
+    import jax
+    import jax.numpy as jnp
+
+    if temperature == 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits = logits_bv / temperature
+    if top_p < 1:  # keep the most likely tokens until their probability reaches top_p
+        desc = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(desc, axis=-1)
+        keep = jnp.cumsum(probs, axis=-1) - probs < top_p  # the first always stays
+        floor = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < floor, -jnp.inf, logits)
+    # a key per row: a row's draws depend on the seed, the step and its index alone, not on
+    # how many rows there are or how they are laid out
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(logits.shape[0]))
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+class Generator:
+    """Prefill and decode for `plan` (its `train.seq_len` is the cache length), compiled once
+    per batch size. `generate(prompts, ...)` returns the new tokens of every prompt."""
+
+    CACHE = (None, "batch", None, "kv_heads", "head_dim")  # [L, B, S, K, H]
+
+    def __init__(self, plan, graphdef, params, temperature: float = 0.0, top_p: float = 1.0):
+        import jax
+
+        self.plan, self.graphdef, self.params = plan, graphdef, params
+        self.sampling = (float(temperature), float(top_p))
+        self.cache_len = plan.cfg.train.seq_len
+        # the new tokens replicated: every process reads them (several hosts), the cache stays
+        out = (self.plan.sharding(self.CACHE),) * 2, self.plan.sharding(())
+        self._prefill = jax.jit(self._prefill_fn, out_shardings=out)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1, out_shardings=out)
+
+    def _forward(self, params, tokens_bt, positions_bt, cache):
+        """Final activations [B, T, D] of tokens at positions[B, T], and the cache with their
+        keys and values written: (k, v), each [L, B, S, K, H]."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from .attention import cached_attention
+        from .sharding import activation_rules, constrain
+
+        with activation_rules(self.plan.rules.compute, self.plan.mesh):
+            model = nnx.merge(self.graphdef, params)
+            x = model.embed_tokens(tokens_bt)
+            rope = model.rope(positions_bt)
+            block_def = nnx.graphdef(model.blocks)
+            rows = jnp.arange(tokens_bt.shape[0])[:, None]
+
+            def layer(x, slot):
+                block, (k_cache, v_cache) = slot
+                written = []
+
+                def attend(q, k, v):
+                    kc = k_cache.at[rows, positions_bt].set(k.astype(k_cache.dtype))
+                    vc = v_cache.at[rows, positions_bt].set(v.astype(v_cache.dtype))
+                    written.append((kc, vc))
+                    return cached_attention(q, kc, vc, positions_bt)
+
+                y = nnx.merge(block_def, block)(x, *rope, attend)
+                return y, written[0]
+
+            x, cache = jax.lax.scan(layer, x, (nnx.state(model.blocks), cache))
+            return x, tuple(constrain(c, self.CACHE) for c in cache)
+
+    def empty_cache(self, batch: int):
+        """(k, v) caches [L, B, S, K, H] of zeros in the compute dtype, split by kv heads."""
+        import jax
+        import jax.numpy as jnp
+
+        m = self.plan.cfg.model
+        shape = (m.num_layers, batch, self.cache_len, m.num_kv_heads, m.dim_per_head)
+        zeros = jax.jit(lambda: jnp.zeros(shape, m.dtype), out_shardings=self.plan.sharding(
+            self.CACHE))  # created in place, never whole on one device
+        return zeros(), zeros()
+
+    def _logits(self, params, x_b1d):
+        from flax import nnx
+
+        from .sharding import activation_rules
+
+        with activation_rules(self.plan.rules.compute, self.plan.mesh):
+            return nnx.merge(self.graphdef, params).logits(x_b1d)[:, 0]
+
+    def _prefill_fn(self, params, cache, tokens_bs, lengths_b, key):
+        import jax.numpy as jnp
+
+        b, s = tokens_bs.shape
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        x, cache = self._forward(params, tokens_bs, positions, cache)
+        last = x[jnp.arange(b), lengths_b - 1][:, None]
+        return cache, _next_token(self._logits(params, last), key, *self.sampling)
+
+    def _decode_fn(self, params, cache, token_b, position_b, key):
+        x, cache = self._forward(params, token_b[:, None], position_b[:, None], cache)
+        return cache, _next_token(self._logits(params, x), key, *self.sampling)
+
+    def generate(self, prompts: list[list[int]], max_new: int, seed: int = 0,
+                 stop=(), on_token=None, params=None) -> list[list[int]]:
+        """New tokens of each prompt: `max_new` at most, fewer where the cache fills up, and a
+        row stops after a token in `stop` (an id or several). `on_token(row tokens so far)` is
+        called after each step; `params` (laid out as the generator's) replace its own."""
+        import jax
+        import numpy as np
+
+        params = self.params if params is None else params
+        stop = {stop} if isinstance(stop, int) else set(stop)
+
+        longest, s = max(len(p) for p in prompts), self.cache_len
+        if min(len(p) for p in prompts) == 0 or longest >= s:
+            raise DataError("--prompt", f"a prompt has {longest if longest else 0} tokens; it "
+                                        f"needs 1 to train.seq_len - 1 = {s - 1}")
+        steps = min(max_new, s - longest)
+        tokens = np.zeros((len(prompts), s), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        key = jax.random.key(seed)
+        with jax.set_mesh(self.plan.mesh):
+            cache, token = self._prefill(params, self.empty_cache(len(prompts)), tokens,
+                                         lengths, jax.random.fold_in(key, 0))
+            out = [[] for _ in prompts]
+            done = np.zeros(len(prompts), bool)
+            for step in range(steps):
+                host = np.asarray(jax.device_get(token))
+                for i, t in enumerate(host):
+                    if not done[i]:
+                        out[i].append(int(t))
+                        done[i] = int(t) in stop
+                if on_token:
+                    on_token(out)
+                if done.all() or step == steps - 1:
+                    break
+                cache, token = self._decode(params, cache, token, lengths + step,
+                                            jax.random.fold_in(key, step + 1))
+        return out
+
+
+class Samples:
+    """Samples during training (`run.sample_every`): the parameters copied into a
+    tensor-parallel layout on the same devices (rows of the batch over the rest, each the
+    same prompt), continued by `run.sample_tokens` tokens. `fits(need)` says whether that copy
+    fits beside the training state (the step's memory need, `memory.check`)."""
+
+    def __init__(self, plan):
+        import jax
+
+        from .model import abstract_model
+        from .pipeline import reorder_layers
+        from .plan import Plan
+        from .step import canonical_state
+        from .tokenizer import load as load_tokenizer
+
+        cfg, devices = plan.cfg, list(plan.mesh.devices.flat)
+        rows = len(devices) // cfg.mesh.tensor
+        serving = config_lib.load(None, [*SERVING, f"mesh.tensor={cfg.mesh.tensor}",
+                                         f"mesh.data={rows}", f"train.global_batch={rows}"],
+                                  base=config_lib.to_dict(cfg))
+        self.plan = Plan.resolve(serving, devices)
+        abstract, shardings = canonical_state(self.plan)
+        m, t = cfg.model, cfg.mesh.tensor
+        cache = (2 * m.num_layers * cfg.train.seq_len * m.num_kv_heads // t * m.dim_per_head
+                 * jax.numpy.dtype(m.dtype).itemsize)  # one row per device
+        self.bytes = sum(a.size * a.dtype.itemsize
+                         for a in jax.tree.leaves(abstract.params)) // t + cache
+        order = plan.layer_order
+        self._copy = jax.jit(lambda p: reorder_layers(p, order, inverse=True),
+                             out_shardings=shardings.params)
+        self.tok, self.text = load_tokenizer(cfg.data.tokenizer), cfg.run.sample_prompt
+        self.prompt = self.tok.encode(self.text)
+        if not 0 < len(self.prompt) < cfg.train.seq_len:
+            raise DataError("run.sample_prompt", f"{len(self.prompt)} tokens; it needs 1 to "
+                                                 f"train.seq_len - 1 = {cfg.train.seq_len - 1}")
+        self.rows, self.tokens = rows, cfg.run.sample_tokens
+        self.gen = Generator(self.plan, abstract_model(cfg.model)[0], None, TEMPERATURE, TOP_P)
+
+    def fits(self, need: dict | None) -> bool:
+        return not need or need["arguments"] + self.bytes <= need["limit"]
+
+    def __call__(self, params) -> str:
+        """The prompt and its continuation by `params` (the training plan's layout)."""
+        out = self.gen.generate([self.prompt] * self.rows, self.tokens, stop=self.tok.stop_ids,
+                                params=self._copy(params))
+        return self.text + self.tok.decode(out[0])
+
+
+def load(source: str | Path, overrides=(), devices=None):
+    """(plan, graphdef, params, tokenizer) of a run directory's newest checkpoint or of a HF
+    model directory, laid out for generation (`SERVING`, then `overrides`)."""
+    import jax
+
+    from . import checkpoint, store
+    from .model import abstract_model
+    from .plan import Plan
+    from .step import canonical_state
+    from .tokenizer import load as load_tokenizer
+
+    source = Path(source)
+    hf = (source / "config.json").is_file() and not (source / "checkpoints").is_dir()
+    if hf:
+        from .convert import import_config
+
+        cfg = import_config(source, None, [*SERVING, *overrides])
+    else:
+        saved = checkpoint.read_meta(source)["config"]
+        cfg = config_lib.load(None, [*SERVING, *overrides], base=saved)
+    m = cfg.mesh
+    plan = Plan.resolve(cfg, devices or jax.devices()[:m.data * m.stage * m.tensor * m.seq])
+    abstract, shardings = canonical_state(plan)
+    target = store.abstract_like(abstract, shardings).params
+    if hf:
+        from .convert import load_params
+
+        params = load_params(source, cfg, target)
+    else:
+        wanted = {f"params/{k}": v for k, v in store.flat(target).items()}
+        arrays, _ = checkpoint.read(source, list(wanted), target=lambda meta: wanted)
+        params = store.unflat(target, {k[len("params/"):]: v for k, v in arrays.items()})
+    tokenizer = cfg.data.tokenizer
+    if tokenizer != "bytes" and not Path(tokenizer).exists() and (source / "hf").is_dir():
+        tokenizer = str(source / "hf")  # a run started from another directory: its own copy
+    return plan, abstract_model(cfg.model)[0], params, load_tokenizer(tokenizer)
+
+
+# ----------------------------------------------------------------------------------- command
+COMMAND = cli.Command(
+    prog="python -m spmd3d.generate",
+    usage=("RUN_DIR|HF_DIR (--prompt TEXT | --prompts FILE) [--max-new N] [--temperature T] "
+           "[--top-p P] [--seed S] [key=value ...]"),
+    description=("Generate text from a run's newest checkpoint or a Hugging Face LLaMA directory, "
+                 "with a KV cache (prefill once, then one token per step). One device by "
+                 "default; mesh.tensor=N splits the model over N devices. train.seq_len=N sets "
+                 "the cache length (prompt plus new tokens); other key=value fields override the "
+                 "run's config as in python -m spmd3d.train."),
+    flags=(cli.Flag("--prompt", kind="str", help="the text to continue"),
+           cli.Flag("--prompts", kind="str", help="a file of prompts, one per line (a batch)"),
+           cli.Flag("--max-new", kind="int", minimum=1, help="new tokens at most (default 200)"),
+           cli.Flag("--temperature", kind="str", help="softmax temperature (default 0.7); "
+                                                     "0: greedy"),
+           cli.Flag("--top-p", kind="str", help="sample from the top-p probability mass "
+                                               "(default 0.9; 1: all)"),
+           cli.Flag("--seed", kind="int", minimum=0, help="the sampling seed (default 0)")),
+    takes_config=False,
+)
+
+
+def _number(args: cli.Args, name: str, default: float, lo: float, hi: float) -> float:
+    raw = args.flags.get(name)
+    try:
+        value = default if raw is None else float(raw)
+    except ValueError:
+        raise ConfigError(name, f"expected a number, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ConfigError(name, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _prompts(args: cli.Args) -> list[str]:
+    if ("--prompt" in args.flags) == ("--prompts" in args.flags):
+        raise ConfigError("--prompt", "give one of --prompt TEXT or --prompts FILE")
+    if "--prompt" in args.flags:
+        return [args.flags["--prompt"]]
+    path = Path(args.flags["--prompts"])
+    if not path.is_file():
+        raise ConfigError("--prompts", f"{path} is not a file")
+    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError("--prompts", f"{path} holds no prompt")
+    return prompts
+
+
+def _run(args: cli.Args) -> int:
+    pos = [a for a in args.positional if "=" not in a]
+    overrides = [a for a in args.positional if "=" in a]
+    if len(pos) != 1:
+        raise ConfigError("argv", f"usage: {COMMAND.prog} {COMMAND.usage}")
+    source = Path(pos[0])
+    if not source.is_dir():
+        raise ConfigError("RUN_DIR", f"{source} is not a directory")
+    prompts = _prompts(args)
+    temperature = _number(args, "--temperature", TEMPERATURE, 0.0, 100.0)
+    top_p = _number(args, "--top-p", TOP_P, 1e-6, 1.0)
+    simulate_devices(next((int(o.split("=", 1)[1]) for o in overrides
+                           if o.startswith("mesh.simulated_devices=")), -1))
+    plan, graphdef, params, tok = load(source, overrides)
+    gen = Generator(plan, graphdef, params, temperature, top_p)
+    ids = [tok.encode(p) for p in prompts]
+    shown = [0]
+
+    def stream(out):  # one prompt: its text as it comes
+        text = tok.decode(out[0])
+        print(text[shown[0]:], end="", flush=True)
+        shown[0] = len(text)
+
+    if len(prompts) == 1:
+        print(prompts[0], end="", flush=True)
+    out = gen.generate(ids, args.flags.get("--max-new", 200), args.flags.get("--seed", 0),
+                       tok.stop_ids, stream if len(prompts) == 1 else None)
+    if len(prompts) == 1:
+        print()
+    else:
+        for p, new in zip(prompts, out):
+            print(f"--- {p!r}\n{p}{tok.decode(new)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(COMMAND, argv, _run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

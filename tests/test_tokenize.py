@@ -1,0 +1,85 @@
+"""Real tokenizers (the `tokenizers` package, as transformers uses it) and
+`python -m spmd3d.data prepare`: the token file holds each document's ids and an end-of-text
+token, in the smallest type the vocabulary allows, and training reads the same tokens from text."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from helpers import DOCS, bpe_dir
+from spmd3d import data, tokenizer
+from spmd3d.data import __main__ as prepare_cmd
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    for name, text in DOCS.items():
+        (tmp_path / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "corpus" / name).write_text(text)
+    return tmp_path / "corpus"
+
+
+def test_hf_tokenizer_round_trips_and_names_its_specials(tmp_path):
+    tok = tokenizer.load(str(bpe_dir(tmp_path / "tok")))
+    assert tok.eos_id == 1 and tok.vocab_size <= 300
+    ids = tok.encode("def add(a, b):")
+    assert ids[0] == 0 and tok.decode(ids[1:]) == "def add(a, b):"
+    assert tokenizer.load("bytes").encode("é") == [0xC3, 0xA9]
+
+
+def test_prepare_writes_each_document_then_end_of_text(tmp_path, corpus):
+    tok_dir = bpe_dir(tmp_path / "tok")
+    out = tmp_path / "tokens.bin"
+    assert prepare_cmd.main(["prepare", str(corpus), str(out), "--tokenizer", str(tok_dir)]) == 0
+    tokens = np.fromfile(out, np.uint16)
+    tok = tokenizer.load(str(tok_dir))
+    want = []
+    for name in ("a.txt", "sub/b.md"):  # sorted, text suffixes only
+        want += tok.encode(DOCS[name]) + [tok.eos_id]
+    assert tokens.tolist() == want
+    # training on the text directory reads the same tokens; the token file through data.path
+    assert data.load_tokens(str(corpus), str(tok_dir)).tolist() == want
+    assert data.load_tokens(str(out)).tolist() == want
+    # bytes: the files' bytes, a blank line after each
+    out8 = tmp_path / "bytes.bin"
+    assert prepare_cmd.main(["prepare", str(corpus / "a.txt"), str(out8)]) == 0
+    assert np.fromfile(out8, np.uint16).astype(np.uint8).tobytes() == \
+        DOCS["a.txt"].encode() + b"\n\n"
+
+
+def wordlevel(path, size):
+    vocab = {f"w{i}": i for i in range(size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_a_large_vocabulary_needs_32_bit_tokens(tmp_path, corpus, capsys):
+    big = wordlevel(tmp_path / "big", 70_000)
+    (tmp_path / "t.txt").write_text("w1 w69999 w5")
+    assert prepare_cmd.main(["prepare", str(tmp_path / "t.txt"), str(tmp_path / "x.bin"),
+                             f"--tokenizer={big}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: OUT:") and ".u32" in err and "\n" not in err
+    assert not (tmp_path / "x.bin").exists() and not (tmp_path / "x.bin.tmp").exists()
+    assert prepare_cmd.main(["prepare", str(tmp_path / "t.txt"), str(tmp_path / "x.u32"),
+                             f"--tokenizer={big}"]) == 0
+    assert np.fromfile(tmp_path / "x.u32", np.uint32).tolist() == [1, 69999, 5]
+
+
+@pytest.mark.parametrize("argv,blamed", [
+    (["prepare", "missing.txt", "out.bin"], "INPUT"),
+    (["prepare", "CORPUS", "out.txt"], "OUT"),
+    (["prepare", "CORPUS", "out.bin", "--tokenizer", "nonexistent"], "--tokenizer"),
+    (["prepare", "out.bin"], "argv")])
+def test_bad_input_is_one_line_and_exit_2(argv, blamed, corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [str(corpus) if a == "CORPUS" else a for a in argv]
+    assert prepare_cmd.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {blamed}") and "\n" not in err, err
+    assert not list(tmp_path.glob("out.*"))
