@@ -83,7 +83,7 @@ def measure_bubble(cfg: Config) -> dict:
     base = config_lib.override(cfg, mesh={"stage": 1}, train={"microbatches": 1},
                                parallel={"pipeline_repeats": 1, "remat": remat})
     measured = stack(cfg) * p / stack(base)
-    return {"p": p, "m": m, "v": v, "measured": measured, "theory": schedule.ticks / (v * m)}
+    return {"p": p, "m": m, "v": v, "measured": measured, "theory": schedule.flops_ratio}
 
 
 def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:

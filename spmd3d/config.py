@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from .schema import (DTYPES, REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig, Config,  # noqa: F401
-                     ConfigError, DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
+from .schema import (DTYPES, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS,  # noqa: F401
+                     CheckpointConfig, Config, ConfigError, DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
                      RunConfig, TrainConfig, doc)
 
 
@@ -211,7 +211,15 @@ def validate(cfg: Config) -> None:
 
     _need(par.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "must be 0, 1, 2 or 3")
     _need(par.pipeline_repeats >= 1, "parallel.pipeline_repeats", "must be >= 1")
+    _need(par.pipeline_schedule in PIPELINE_SCHEDULES, "parallel.pipeline_schedule",
+          f"must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    _need(par.pipeline_schedule == "gpipe" or par.pipeline_repeats == 1,
+          "parallel.pipeline_schedule", "1f1b runs one chunk per stage: interleaved 1F1B "
+          "(parallel.pipeline_repeats > 1) is not built yet; use gpipe for a circular pipeline")
     _need(par.zero3_gather in ("step", "tick"), "parallel.zero3_gather", "must be step or tick")
+    _need(par.pipeline_schedule == "gpipe" or par.zero3_gather == "step" or par.zero_stage < 3,
+          "parallel.zero3_gather", "tick needs parallel.pipeline_schedule=gpipe (1f1b gathers "
+          "each stage's layers once per step)")
     _need(par.loss_chunk >= 0, "parallel.loss_chunk", "must be >= 0 (0: no chunks)")
     _need(par.remat in REMAT_POLICIES, "parallel.remat",
           f"must be one of {', '.join(REMAT_POLICIES)}")

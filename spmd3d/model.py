@@ -305,9 +305,19 @@ class Transformer(nnx.Module):
         over the batch and sequence axes), the head and norm turned device-varying before it:
         their gradients are summed over those axes once, after the loop, not once per piece.
         Equal to the unchunked loss up to float summation order (tests)."""
+        return self.loss_with(self.head_weights(), x_btd, labels_bt, chunk)
+
+    def head_weights(self) -> dict:
+        """The stored weights `loss` uses: {"scale": final norm [D], "head": [D, V]}."""
+        return {"scale": self.final_norm.scale[...], "head": self.head[...]}
+
+    def loss_with(self, weights, x_btd, labels_bt, chunk: int = 0):
+        """`loss` with the head's stored `weights` (`head_weights`) given as arguments: what a
+        pipeline schedule that runs the head itself differentiates."""
         eps, f32 = self.cfg.norm_eps, jnp.float32
-        scale = _use(self.final_norm.scale, f32)
-        head = _use(self.head, self.cfg.dtype)  # cast (and gathered) once, not per piece
+        scale = use_param(weights["scale"], ("norm",), f32)
+        # cast (and gathered) once, not per piece
+        head = use_param(weights["head"], ("embed", "vocab"), self.cfg.dtype)
 
         def local(x, labels, scale, head):  # one device's tokens, or all of them
             n = loss_chunks(labels.size, chunk)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 ROPE_SCALINGS = ("none", "llama3")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 class ConfigError(ValueError):
@@ -86,6 +87,9 @@ class MeshConfig:
 class ParallelConfig:
     zero_stage: int = doc(1, "shard over data: optimizer state (1), + grads (2), + params (3)")
     pipeline_repeats: int = doc(1, "circular pipeline: chunks of layers per stage")
+    pipeline_schedule: str = doc("gpipe", "gpipe (all forwards, then all backwards: saves m "
+                                          "microbatches) or 1f1b (one forward and one backward "
+                                          "per tick: saves at most 2p-1)")
     sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
     remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
                              "stage (keep only each stage's input per microbatch)")

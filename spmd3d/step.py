@@ -12,6 +12,7 @@ The step composes the model's parts with the plan's schedule: embed -> the layer
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import attention, pipeline
+from .pipeline import gpipe, one_f_one_b
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
@@ -179,17 +181,32 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     def unrows(a, n):
         return a.reshape((p, -1, n) + a.shape[1:])
 
-    tokens = slots(inputs, 0, collect=False)
+    tokens, rope = slots(inputs, 0, collect=False), model.rope(positions)
     with activation_rules(outer, plan.mesh, rules.grads):
         x = unrows(model.embed_tokens(rows(tokens)), tokens.shape[2])
     # inside the pipeline's shard_map, constraints resolve against its context mesh
     grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
+    where = dict(active=plan.active, batch_axis=batch_axis, seq_axis=seq_axis,
+                 stage_remat=par.remat == "stage")
+
+    def gpipe_loss(blocks, head, x):  # the GPipe forward, then the head and loss on every stage
+        with activation_rules(inner, None, grads):
+            x = gpipe.run(blocks, x, rope, replace(schedule, kind="gpipe"), axis, plan.mesh,
+                             stage=stage, **where)
+        with activation_rules(outer, plan.mesh, rules.grads):
+            y, labels_out = rows(x), rows(slots(labels, -1, collect=True))
+            return model.loss_with(head, y, labels_out, par.loss_chunk)[0]
+
+    if schedule.kind == "gpipe":
+        return gpipe_loss(blocks, model.head_weights(), x)
+    # 1F1B: the head runs on the last stage inside the schedule, which needs every label there
+    labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), NamedSharding(
+        plan.mesh, P(None, data, rules.compute["length"])))
     with activation_rules(inner, None, grads):
-        x = pipeline.run(blocks, x, model.rope(positions), schedule, axis, plan.mesh,
-                         stage=stage, active=plan.active, batch_axis=batch_axis,
-                         seq_axis=seq_axis, stage_remat=par.remat == "stage")
-    with activation_rules(outer, plan.mesh, rules.grads):
-        return model.loss(rows(x), rows(slots(labels, -1, collect=True)), par.loss_chunk)[0]
+        return one_f_one_b.loss_and_grads(
+            blocks, model.head_weights(), x, labels_mb, rope, schedule, axis, plan.mesh,
+            stage=stage, forward=gpipe_loss, **where,
+            loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
 
 
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):

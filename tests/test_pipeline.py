@@ -32,6 +32,25 @@ LAYOUTS = {
 }
 
 
+# 1F1B (`parallel.pipeline_schedule=1f1b`): its own backward, the loss head on the last stage
+F1B = ["parallel.pipeline_schedule=1f1b"]
+ONE_F_ONE_B = {
+    "1f1b_dp4_pp2_m2": dict(data=4, stage=2, micro=2, extra=F1B),  # m = p
+    "1f1b_pp4_tp2_m16": dict(stage=4, tensor=2, micro=16, extra=F1B),  # m = 4p
+    "1f1b_dp2_pp4_m2": dict(data=2, stage=4, micro=2, extra=F1B),  # fewer microbatches than p
+    "1f1b_dp2_pp2_tp2_sp_zero3": dict(data=2, stage=2, tensor=2, micro=4, zero=3, sp=True,
+                                      extra=F1B),
+    "1f1b_pp2_tp2_seq2_sp": dict(stage=2, tensor=2, seq=2, micro=4, sp=True, extra=F1B),
+    "1f1b_dp2_pp4_m8_full_remat_chunked_loss": dict(data=2, stage=4, micro=8, remat="full",
+                                                    extra=F1B + ["parallel.loss_chunk=8"]),
+    "1f1b_dp2_pp2_tp2_stage_remat": dict(data=2, stage=2, tensor=2, micro=4, remat="stage",
+                                         extra=F1B),
+    "1f1b_dp2_pp2_tp2_save_dots_zero2": dict(data=2, stage=2, tensor=2, micro=4, zero=2,
+                                             remat="save_dots", extra=F1B),
+}
+LAYOUTS.update(ONE_F_ONE_B)
+
+
 def cfg(extra=(), **kw):
     return small_config(**kw, extra=L4 + list(extra))
 
@@ -47,7 +66,10 @@ def test_pipeline_losses_match_one_device(reference, name):
 
 
 @pytest.mark.parametrize("name", ["dp2_pp4_m8_chunked_loss", "dp2_pp2_tp2_v2", "pp4_tp2_m2",
-                                  "dp2_pp2_tp2_sp_stage_remat"])
+                                  "dp2_pp2_tp2_sp_stage_remat", "1f1b_dp4_pp2_m2",
+                                  "1f1b_pp4_tp2_m16", "1f1b_dp2_pp4_m2", "1f1b_dp2_pp2_tp2_sp_zero3",
+                                  "1f1b_pp2_tp2_seq2_sp", "1f1b_dp2_pp4_m8_full_remat_chunked_loss",
+                                  "1f1b_dp2_pp2_tp2_stage_remat"])
 def test_pipeline_grads_match_one_device(reference, name):
     assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
 
@@ -64,7 +86,7 @@ def test_microbatches_laid_out_over_the_stages_as_the_belt_needs(p, m):
     for collect, table in ((False, schedule.feed()), (True, schedule.collect())):
         np.testing.assert_array_equal(by_slot(micro, schedule, -1, collect), table)
         assert sorted(table[table >= 0]) == list(range(m))
-    # the belt (pipeline.run's rule): at tick t stage s holds what the last stage finished
+    # the belt (gpipe.run's rule): at tick t stage s holds what the last stage finished
     # p - 1 - s ticks ago and keeps it where `collect` says: each microbatch exactly once,
     # within the schedule's ticks
     kept = []
@@ -99,16 +121,22 @@ def stack_flops(**kw):
     return per_device_flops(8, **kw) - per_device_flops(4, **kw)
 
 
-@pytest.mark.parametrize("p,m,v", [(2, 2, 1), (2, 4, 1), (4, 4, 1), (2, 2, 2)])
-def test_bubble_flops_match_the_schedule(p, m, v):
+@pytest.mark.parametrize("p,m,v,kind", [(2, 2, 1, "gpipe"), (2, 4, 1, "gpipe"),
+                                         (4, 4, 1, "gpipe"), (2, 2, 2, "gpipe"),
+                                         (4, 4, 1, "1f1b"), (2, 8, 1, "1f1b")])
+def test_bubble_flops_match_the_schedule(p, m, v, kind):
     """Every stage computes at every tick, so the layer stack's FLOPs per device times p over
-    the unpipelined ones is the schedule's (v*m + p - 1) / (v*m): the bubble, no more. (A
-    circular pipeline recomputes each stage in the backward, so both sides use stage remat.)"""
+    the unpipelined ones is the schedule's (v*m + p - 1) / (v*m): the bubble, no more. 1F1B's
+    warm-up and cool-down ticks run forwards alone and backwards alone, so it computes as
+    much as GPipe. (A circular pipeline recomputes each stage in the backward, so both sides
+    use stage remat.)"""
     remat = "stage" if v > 1 else "none"
     one = stack_flops(remat=remat)
-    piped = stack_flops(stage=p, micro=m, remat=remat, extra=[f"parallel.pipeline_repeats={v}"])
+    piped = stack_flops(stage=p, micro=m, remat=remat, extra=[
+        f"parallel.pipeline_repeats={v}", f"parallel.pipeline_schedule={kind}"])
     measured = piped * p / one
-    theory = Schedule(p, m, v).ticks / (v * m)
+    theory = Schedule(p, m, v, kind).flops_ratio
+    assert theory == (v * m + p - 1) / (v * m)
     assert abs(measured / theory - 1) < 0.02, (measured, theory)
 
 
@@ -128,7 +156,8 @@ def test_parameter_bytes_drop_by_stage_count():
     assert saved == 3 * (block_bytes - block_bytes // 4)
 
 
-@pytest.mark.parametrize("name", ["dp4_pp2", "dp2_pp2_tp2_zero3"])
+@pytest.mark.parametrize("name", ["dp4_pp2", "dp2_pp2_tp2_zero3", "1f1b_dp4_pp2_m2",
+                                  "1f1b_dp2_pp2_tp2_sp_zero3"])
 def test_gradients_reduced_over_data_once_per_step_not_per_tick(name):
     """Nothing crosses the data axis inside the tick loop: gradients are reduced once, and
     under ZeRO-3 each stage's layers are gathered once (`parallel.zero3_gather=step`)."""
@@ -142,7 +171,18 @@ def test_gradients_reduced_over_data_once_per_step_not_per_tick(name):
     # microbatches coming and going the other, and both again in the backward; nothing else
     shifts = [x for x in colls if x.kind == "collective-permute"]
     assert {x.axes for x in shifts} == {("stage",)}
-    assert sum(x.trips for x in shifts) == 4 * Schedule(layout["stage"], layout["micro"]).ticks
+    p, m = layout["stage"], layout["micro"]
+    if name.startswith("1f1b"):
+        # per tick at most four, each one microbatch's activations: the activation ahead and
+        # the input belt back (forward ticks), the cotangent back (backward ticks), the input
+        # gradients' belt ahead (every tick, and p - 1 more); XLA drops those whose value is
+        # never used (the last tick's)
+        row = c.train.global_batch // m // layout.get("data", 1) * c.train.seq_len * 128 * 4
+        assert {x.bytes for x in shifts} == {row // (layout["tensor"] if layout.get("sp") else 1)}
+        ticks = Schedule(p, m, kind="1f1b").ticks
+        assert 2 * (m + p - 1) <= sum(x.trips for x in shifts) <= 4 * ticks + p - 1
+    else:
+        assert sum(x.trips for x in shifts) == 4 * Schedule(p, m).ticks
     assert not [x for x in colls if x.kind == "all-to-all"]
 
 
@@ -194,3 +234,21 @@ def test_temporaries_grow_by_activations_per_microbatch_never_by_weights(remat, 
     bound = row * ((1 if repeats == 1 else 2 * repeats + 1) + 3 / p)
     assert row <= per_microbatch <= 1.05 * bound, (per_microbatch, bound)
     assert per_microbatch < weights / 50
+
+
+def test_1f1b_temporaries_do_not_grow_with_microbatches():
+    """GPipe keeps what the backward needs of every microbatch until the backward starts, so
+    its temporaries grow with m; 1F1B keeps at most 2p - 1 microbatches' residuals: from m = p
+    to m = 4p its temporaries stay within 2 % (measured: +0.6 %), while GPipe's grow by more
+    than the 3p extra microbatches' saved activations (measured: +31 %)."""
+    p = 2
+
+    def temps(m, kind):
+        c = cfg(data=2, stage=p, tensor=2, micro=m, zero=1, extra=WIDE + [
+            f"train.global_batch={2 * m}", f"parallel.pipeline_schedule={kind}"])
+        return hlo.memory(runtime.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
+
+    one_f_one_b = temps(4 * p, "1f1b") / temps(p, "1f1b")
+    gpipe = temps(4 * p, "gpipe") / temps(p, "gpipe")
+    assert one_f_one_b < 1.02, one_f_one_b
+    assert gpipe > 1.2, gpipe

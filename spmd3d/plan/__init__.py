@@ -71,7 +71,8 @@ class Plan:
     def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
         """The decisions for a resolved config on a given mesh."""
         m, par, tr = cfg.mesh, cfg.parallel, cfg.train
-        schedule = Schedule(m.stage, tr.microbatches, par.pipeline_repeats) if m.stage > 1 else None
+        schedule = (Schedule(m.stage, tr.microbatches, par.pipeline_repeats, par.pipeline_schedule)
+                    if m.stage > 1 else None)
         return cls(
             cfg=cfg, mesh=mesh, topology=topology,
             rules=zero_rules(par.zero_stage, par.sequence_parallel),

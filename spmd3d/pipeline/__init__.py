@@ -1,0 +1,177 @@
+"""Pipeline parallelism over the `stage` mesh axis: microbatched schedules inside one program.
+
+`stage(chunk, x)` applies one chunk of layers and knows nothing of microbatches; a schedule owns
+the ticks, the shifts between stages and the bubble. Two schedules, one module each:
+- `gpipe.run`: every forward tick, then (by autodiff of the tick scan) every backward tick; with
+  circular repeats. It saves what the backward needs of all m microbatches.
+- `one_f_one_b.loss_and_grads`: one forward and one backward per tick, the loss head on the last
+  stage, so a stage keeps at most 2p - 1 microbatches' residuals whatever m is.
+Here: the `Schedule` (its ticks, bubble and in-flight microbatches), the order the stacked layers
+are stored in, and the per-device helpers both schedules use.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+import contextvars
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+_UNROLL = contextvars.ContextVar("spmd3d_unroll", default=False)
+
+
+@contextmanager
+def unrolled_loops(on: bool = True):
+    """Trace the tick and layer scans fully unrolled: XLA's cost analysis counts a loop body
+    once, so FLOP checks of a schedule need the loops unrolled (tests only: slow to compile)."""
+    token = _UNROLL.set(on)
+    try:
+        yield
+    finally:
+        _UNROLL.reset(token)
+
+
+def unroll() -> bool:
+    return _UNROLL.get()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    stages: int  # p
+    microbatches: int  # m
+    repeats: int = 1  # v
+    kind: str = "gpipe"  # gpipe | 1f1b
+
+    @property
+    def ticks(self) -> int:
+        """Forward ticks (GPipe: and as many backward ticks), or 1F1B's ticks, each a forward
+        and a backward on every stage but the p - 1 forward-only ticks of the warm-up and the
+        p - 1 backward-only ticks of the cool-down."""
+        if self.kind == "1f1b":
+            return self.microbatches + 2 * (self.stages - 1)
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of each stage's work: (p - 1)/(v·m + p - 1) for both schedules
+        (1F1B's warm-up and cool-down hold p - 1 forwards and p - 1 backwards)."""
+        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+    @property
+    def flops_ratio(self) -> float:
+        """Per-device layer FLOPs times p over those without a pipeline: the bubble's
+        (v·m + p − 1)/(v·m), for both schedules (every stage computes at every tick)."""
+        v, m = self.repeats, self.microbatches
+        return (v * m + self.stages - 1) / (v * m)
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches whose residuals the first stage keeps at once: all m under GPipe; in
+        1F1B's lockstep ticks a microbatch's backward reaches stage s 2(p - 1 - s) ticks after
+        its forward, so stage 0 keeps 2p - 1 (or m, if fewer)."""
+        if self.kind == "1f1b":
+            return min(2 * self.stages - 1, self.microbatches)
+        return self.repeats * self.microbatches
+
+    def feed(self) -> np.ndarray:
+        """[n, p]: the microbatch stage s holds in input slot j (-1: none), n = ceil(m/p):
+        microbatch i on stage i mod p, so that stage 0 finds it on the belt at tick i."""
+        p, m = self.stages, self.microbatches
+        i = np.arange(-(-m // p) * p).reshape(-1, p)
+        return np.where(i < m, i, -1)
+
+    def collect(self) -> np.ndarray:
+        """[n, p]: the microbatch stage s keeps in output slot j (-1: none): the belt carries
+        microbatch i back from the last stage for as many ticks as later microbatches remain
+        to finish, at most p - 1, so it stops at stage p - 1 - (m - 1 - i) mod p."""
+        p, m = self.stages, self.microbatches
+        j, s = np.arange(-(-m // p))[:, None], np.arange(p)[None, :]
+        i = m - 1 - (j * p + p - 1 - s)
+        return np.where(i >= 0, i, -1)
+
+    def describe(self, order) -> str:
+        """The schedule and, per stage, the canonical layers of each of its chunks, from the
+        storage order (`layer_order`)."""
+        p, v = self.stages, self.repeats
+        c = len(order) // (p * v)
+        lines = [f"pipeline: {self.kind}, p={p} stages, m={self.microbatches} microbatches, "
+                 f"v={v} repeats, {self.ticks} ticks, bubble {self.bubble:.1%} (theory "
+                 f"(p-1)/(v*m+p-1)), {self.in_flight} microbatches in flight"]
+        for s in range(p):
+            chunks = []
+            for r in range(v):
+                layers = [i for i in order[(s * v + r) * c:(s * v + r + 1) * c] if i >= 0]
+                chunks.append(f"{layers[0]}-{layers[-1]}" if layers else "none")
+            lines.append(f"  stage {s}: layers {', '.join(chunks)}")
+        return "\n".join(lines)
+
+
+def layer_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
+    """Storage position -> canonical layer index, -1 for a padding slot. The L layers form
+    K = v·p chunks (chunk k on stage k mod p) of c = ceil(L/K) slots; when K does not divide L,
+    the last chunk, the first, the second-to-last, the second... each hold one layer fewer
+    (so LLaMA-3 405B's 126 layers on 16 stages run 7 on the first and last stage, 8 on the
+    others, as Meta ran it: those stages also hold the embedding and the head), the empty slot
+    at the chunk's end. Stage s stores its chunks r = 0..v-1 in one contiguous block, so
+    splitting the stored stack over `stage` hands every stage exactly its chunks. The identity
+    unless v > 1 or K does not divide L."""
+    k = stages * repeats
+    c = -(-num_layers // k)
+    fewer = [k - 1 - i // 2 if i % 2 == 0 else i // 2 for i in range(k * c - num_layers)]
+    sizes = [c - (chunk in fewer) for chunk in range(k)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return np.array([starts[r * stages + s] + j if j < sizes[r * stages + s] else -1
+                     for s in range(stages) for r in range(repeats) for j in range(c)])
+
+
+def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
+    """Apply `layer_order` (canonical [L, ...] -> storage, padding slots zero) or its inverse
+    to every stacked-block leaf (leaves under a `blocks` key) of a state pytree; other leaves
+    pass through."""
+    order = np.asarray(order)
+    if np.array_equal(order, np.arange(len(order))):
+        return tree
+    pad = order < 0
+    if inverse:  # the storage position of each canonical layer
+        index = np.array([np.flatnonzero(order == c)[0] for c in range(int((~pad).sum()))])
+    else:
+        index = np.where(pad, 0, order)
+
+    def one(path, x):
+        if not (any(getattr(k, "key", None) == "blocks" for k in path) and getattr(x, "ndim", 0)):
+            return x
+        x = jnp.take(x, index, axis=0)
+        if inverse or not pad.any():
+            return x
+        return jnp.where(pad.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _varying(x) -> frozenset:
+    """The manual axes a traced value varies over (inside a shard_map)."""
+    vma = getattr(x, "manual_axis_type", None)
+    return frozenset(vma.varying) if vma is not None else frozenset(getattr(x, "vma", ()))
+
+
+def _vary(x, axes):
+    """`x` cast to varying over `axes` (those it does not vary over already)."""
+    todo = tuple(a for a in axes if a not in _varying(jax.typeof(x)))
+    return jax.lax.pcast(x, todo, to="varying") if todo else x
+
+
+def _select(pred, a, b):
+    """`a` where the scalar `pred` holds, else `b`: the predicate stays a scalar (jnp.where
+    would broadcast it, and the backward would keep that [mb, T, D] mask per tick)."""
+    return jax.tree.map(lambda x, y: jax.lax.select_n(pred, y, x), a, b)
+
+
+def _store_if(pred, buffer, slot, value, axis: int):
+    """`buffer` with `value` in `slot` along `axis` where `pred` holds, as it was elsewhere."""
+    old = jax.lax.dynamic_index_in_dim(buffer, slot, axis, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, _select(pred, value, old), slot, axis)
+
