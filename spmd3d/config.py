@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from .schema import (DTYPES, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS,  # noqa: F401
-                     CheckpointConfig, Config, ConfigError, DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, ParallelConfig,
-                     RunConfig, TrainConfig, doc)
+                     CheckpointConfig, Config, ConfigError, DataConfig, DistConfig, MeshConfig,
+                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, doc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -315,9 +315,11 @@ class Transformer(nnx.Module):
         """`loss` with the head's stored `weights` (`head_weights`) given as arguments: what a
         pipeline schedule that runs the head itself differentiates."""
         eps, f32 = self.cfg.norm_eps, jnp.float32
-        scale = use_param(weights["scale"], ("norm",), f32)
+        names = {k: v.get_metadata("axes") for k, v in (("scale", self.final_norm.scale),
+                                                        ("head", self.head))}
+        scale = use_param(weights["scale"], names["scale"], f32)
         # cast (and gathered) once, not per piece
-        head = use_param(weights["head"], ("embed", "vocab"), self.cfg.dtype)
+        head = use_param(weights["head"], names["head"], self.cfg.dtype)
 
         def local(x, labels, scale, head):  # one device's tokens, or all of them
             n = loss_chunks(labels.size, chunk)

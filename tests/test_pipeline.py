@@ -136,7 +136,6 @@ def test_bubble_flops_match_the_schedule(p, m, v, kind):
         f"parallel.pipeline_repeats={v}", f"parallel.pipeline_schedule={kind}"])
     measured = piped * p / one
     theory = Schedule(p, m, v, kind).flops_ratio
-    assert theory == (v * m + p - 1) / (v * m)
     assert abs(measured / theory - 1) < 0.02, (measured, theory)
 
 

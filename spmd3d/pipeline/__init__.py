@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 _UNROLL = contextvars.ContextVar("spmd3d_unroll", default=False)
 
@@ -56,17 +55,17 @@ class Schedule:
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
-    def bubble(self) -> float:
-        """The idle fraction of each stage's work: (p - 1)/(v·m + p - 1) for both schedules
-        (1F1B's warm-up and cool-down hold p - 1 forwards and p - 1 backwards)."""
-        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
-
-    @property
     def flops_ratio(self) -> float:
-        """Per-device layer FLOPs times p over those without a pipeline: the bubble's
-        (v·m + p − 1)/(v·m), for both schedules (every stage computes at every tick)."""
+        """Per-device layer FLOPs times p over those without a pipeline: (v·m + p − 1)/(v·m)
+        for both schedules (every stage computes at every tick; 1F1B's warm-up and cool-down
+        hold p - 1 forwards and p - 1 backwards)."""
         v, m = self.repeats, self.microbatches
         return (v * m + self.stages - 1) / (v * m)
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of each stage's work: (p - 1)/(v·m + p - 1)."""
+        return 1 - 1 / self.flops_ratio
 
     @property
     def in_flight(self) -> int:
@@ -150,6 +149,20 @@ def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
         return jnp.where(pad.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
 
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def rings(p: int) -> tuple[list, list]:
+    """`ppermute` pairs one stage ahead and one stage back round the ring of p stages."""
+    return [(s, (s + 1) % p) for s in range(p)], [(s, (s - 1) % p) for s in range(p)]
+
+
+def next_input(x_in, belt, t, p: int):
+    """The input belt at tick t: every p ticks each stage puts its next microbatch (slot
+    t // p of its share of `x_in`[mb, n, ...]) on the belt, which moves one stage back per
+    tick, so stage 0 finds microbatch t there at tick t (as `Schedule.feed` lays them out)."""
+    n = x_in.shape[1]
+    mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // p, n - 1), 1, keepdims=False)
+    return _select(t % p == 0, mine, belt)
 
 
 def _varying(x) -> frozenset:

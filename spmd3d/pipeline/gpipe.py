@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import Schedule, _select, _store_if, _vary, unroll
+from . import Schedule, _select, _store_if, _vary, next_input, rings, unroll
 
 
 def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, active=None,
@@ -61,8 +61,7 @@ def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, act
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     # [L, ...] -> [p, v, c, ...]: stage-major storage, so dim 0 splits over the stage axis
     chunks = jax.tree.map(lambda a: a.reshape((p, v, a.shape[0] // (p * v)) + a.shape[1:]), blocks)
-    ahead = [(s, (s + 1) % p) for s in range(p)]
-    back = [(s, (s - 1) % p) for s in range(p)]
+    ahead, back = rings(p)
     remat = jax.checkpoint_policies.nothing_saveable
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v, -1))
 
@@ -85,11 +84,7 @@ def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, act
 
         def tick(carry, t):
             held, belt, slots, out = carry
-            # every p ticks each stage puts its next microbatch on the belt: stage 0 finds
-            # microbatch t there at tick t
-            mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // p, n - 1), 1,
-                                                keepdims=False)
-            coming = _select(t % p == 0, mine, belt[0])
+            coming = next_input(x_in, belt[0], t, p)  # stage 0 finds microbatch t at tick t
             inp = _select((s == 0) & (t < m), coming, held)
             if v > 1:  # later repeats: what came back from the last stage
                 again = jax.lax.dynamic_index_in_dim(slots, t % m, 0, keepdims=False)

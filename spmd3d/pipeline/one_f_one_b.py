@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import Schedule, _select, _store_if, _vary, _varying, unroll
+from . import Schedule, _select, _store_if, _vary, _varying, next_input, rings, unroll
 
 
 def _split_residuals(vjp_fn, chunk):
@@ -63,8 +63,7 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
     `Schedule.feed`; labels[m, mb, T] on every stage; consts: [1, T, ...] (RoPE tables)."""
     p, m = schedule.stages, schedule.microbatches
     chunks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
-    ahead = [(s, (s + 1) % p) for s in range(p)]
-    back = [(s, (s - 1) % p) for s in range(p)]
+    ahead, back = rings(p)
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, -1))
     manual = tuple(a for a in (axis, batch_axis, seq_axis) if a is not None)
     others = tuple(a for a in manual if a != axis)
@@ -125,12 +124,17 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
 
             return jax.lax.cond(s == p - 1, last, other)
 
+        def keep_input_grad(dbelt, dx_out, t):
+            """Stage s keeps the input gradient on the belt if it fed that microbatch in: the
+            one stage 0 finished s ticks ago."""
+            i = t - s - 2 * (p - 1)
+            ours = (i >= 0) & (i < m) & (i % p == s)
+            return _store_if(ours, dx_out, jnp.clip(i // p, 0, n - 1), dbelt, 1)
+
         def tick(carry, t, fwd: bool, bwd: bool):
             held, ct_in, belt, dbelt, stash, dx_out, g_chunk, g_head, total = carry
             if fwd:  # microbatch t - s; stage 0 takes microbatch t from the belt (as GPipe)
-                mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // p, n - 1), 1,
-                                                    keepdims=False)
-                coming = _select(t % p == 0, mine, belt)
+                coming = next_input(x_in, belt, t, p)
                 y, vjp_fn = jax.vjp(forward, chunk, _select(s == 0, coming, held))
                 stashed, check = _split_residuals(vjp_fn, chunk)
                 assert check == where, "the stage's residuals changed between traces"
@@ -156,18 +160,11 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
                 ct_in = jax.lax.ppermute(dx, axis, back)
                 # stage 0's dx is microbatch i's input gradient: onto the belt to its stage
                 dbelt = _select(s == 0, dx, dbelt)
-            held_dx = _file(dbelt, dx_out, t)
             if fwd:
                 held = jax.lax.ppermute(y, axis, ahead)
-            return (held, ct_in, belt, jax.lax.ppermute(dbelt, axis, ahead), stash, held_dx,
+            dx_out = keep_input_grad(dbelt, dx_out, t)
+            return (held, ct_in, belt, jax.lax.ppermute(dbelt, axis, ahead), stash, dx_out,
                     g_chunk, g_head, total), None
-
-        def _file(dbelt, dx_out, t):
-            """Stage s keeps the input gradient on the belt if it fed that microbatch in: the
-            one stage 0 finished s ticks ago."""
-            i = t - s - 2 * (p - 1)
-            ours = (i >= 0) & (i < m) & (i % p == s)
-            return _store_if(ours, dx_out, jnp.clip(i // p, 0, n - 1), dbelt, 1)
 
         x0 = x_in[:, 0]
         g_chunk = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), chunk)
@@ -213,11 +210,8 @@ def loss_and_grads(blocks, head, x_in, labels, consts, schedule: Schedule, axis:
     def pipelined(blocks, head, x_in):
         return forward(blocks, head, x_in)
 
-    def fwd(blocks, head, x_in):
-        return train(blocks, head, x_in)
-
-    def bwd(grads, ct):
+    def scaled(grads, ct):  # the gradients, times the loss's cotangent
         return jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads)
 
-    pipelined.defvjp(fwd, bwd)
+    pipelined.defvjp(train, scaled)
     return pipelined(blocks, head, x_in)
