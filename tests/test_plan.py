@@ -62,6 +62,18 @@ def test_a_plan_checks_the_layout_against_the_cluster():
         Plan.resolve(wide, topology=topology)
 
 
+@pytest.mark.parametrize("name,topology,data,extra", [
+    ("gpt3_175b", "dgx_a100_128", 8, []),
+    # Meta's 16M-token batch: 2048 sequences of 8192, 16 per data shard
+    ("llama3_405b", "h100_16k", 128, ["train.global_batch=2048", "train.microbatches=16"])])
+def test_the_published_clusters_hold_the_published_layouts(name, topology, data, extra):
+    """GPT-3 175B on 1024 A100s and LLaMA-3 405B on 16,384 H100s at TP8 PP16: data fills the
+    rest of the cluster, and tensor stays inside a node."""
+    cfg = config.load(str(ROOT / "configs" / f"{name}.yaml"), ["mesh.data=-1", *extra])
+    plan = Plan.resolve(cfg, topology=topology)
+    assert plan.cfg.mesh.data == data and plan.num_devices == plan.topology.num_devices
+
+
 def test_gpt3_layout_planned_in_a_one_device_process():
     """1024 devices of GPT-3 175B's Megatron layout, planned where JAX has one CPU device."""
     code = (
