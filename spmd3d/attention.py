@@ -1,13 +1,22 @@
 """Causal attention kernels, and the one table that picks the kernel for a run.
 
-| kind      | when                                   | what runs                                      |
-|-----------|----------------------------------------|------------------------------------------------|
-| `blocked` | each device holds the whole sequence   | `causal_attention`: block-causal, fp32 softmax |
-| `ring`    | T is split over a mesh axis (`seq`)    | zig-zag ring attention (`ring.py`)             |
+| kind      | when                                          | what runs                           |
+|-----------|-----------------------------------------------|-------------------------------------|
+| `blocked` | the whole sequence on each device             | `causal_attention`: pure JAX,       |
+|           |                                               | block-causal, fp32 softmax          |
+| `cudnn`   | the whole sequence; a GPU, bf16/fp16, head    | `fused_attention`: cuDNN flash      |
+|           | dim a multiple of 8 and <= 128 (256: Hopper)  | attention (jax.nn)                  |
+| `ring`    | T is split over a mesh axis (`seq`)           | zig-zag ring attention (`ring.py`)  |
 
-The plan names the kind (`Plan.attention`); the step calls `select` with it, and says whether
-the code runs inside a shard_map already manual over the ring axis (the pipeline's), where the
+`model.attention` asks for a kernel (auto, blocked, cudnn); `choose` turns it into the kind,
+once, for the plan (`Plan.attention`); the step calls `select` with it, and says whether the
+code runs inside a shard_map already manual over the ring axis (the pipeline's), where the
 per-device ring runs directly. GPU kernels join this table, not the model.
+
+Under ring attention the blocks stay pure JAX: the ring merges per-block results by their
+log-sum-exp, and `jax.nn.dot_product_attention(..., return_residual=True)` hands cuDNN's fp32
+statistics back cast to the output dtype; in bf16 a log-sum-exp near 10 is off by up to 0.04,
+so merged weights would be off by up to 4 %.
 Shapes: q[B, T, K, G, H], k/v[B, S, K, H] -> out[B, T, K, G, H].
 """
 
@@ -17,8 +26,25 @@ import jax
 import jax.numpy as jnp
 
 from .ring import ring_attention, ring_attention_local
+from .schema import ConfigError
 
-KINDS = ("blocked", "ring")
+KINDS = ("blocked", "cudnn", "ring")
+# what `fused_attention` asks jax for; the tests set "xla" (JAX's reference of the same call)
+# to run the cudnn kind's plumbing -- head layout, sharding, gradients -- on a CPU
+FUSED = "cudnn"
+
+
+def query_blocks(t: int, block: int = 64) -> int:
+    """How many query blocks `causal_attention` splits a length-t sequence into."""
+    block = max(block, t // 8)  # at most 8 query blocks: compile time grows with the count
+    return t // block if t % block == 0 and t > block else 1
+
+
+def computed_fraction(t: int) -> float:
+    """The share of the full T x T score matrix that `causal_attention` computes: the blocks
+    on and below the diagonal, (n + 1) / 2n of n x n (0.5 is the causal half itself)."""
+    n = query_blocks(t)
+    return (n + 1) / (2 * n)
 
 
 def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
@@ -29,8 +55,7 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
     block's softmax runs over its whole key prefix, so the result equals dense attention.
     """
     t = q_btkgh.shape[1]
-    block = max(block, t // 8)  # at most 8 query blocks: compile time grows with the count
-    n = t // block if t % block == 0 and t > block else 1
+    n = query_blocks(t, block)
     size, scale = t // n, q_btkgh.shape[-1] ** -0.5
     # a key block's gradient sums over the query blocks that read it; slicing fp32 copies
     # makes that sum fp32 (in bf16, XLA:CPU converts to fp32 and back around every add)
@@ -59,12 +84,46 @@ def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt):
     return jnp.einsum("bkgts,bskh->btkgh", p.astype(v_bskh.dtype), v_bskh)
 
 
+def fused_attention(q_btkgh, k_bskh, v_bskh):
+    """Causal GQA attention in one fused kernel: cuDNN flash attention on a GPU (`FUSED`),
+    which never materialises the scores and skips the blocks above the diagonal.
+    -> out[B, T, K, G, H]."""
+    b, t, k, g, h = q_btkgh.shape
+    # query head n = k * G + g reads key/value head k: the kernel's GQA grouping
+    out = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh, v_bskh,
+                                       is_causal=True, implementation=FUSED)
+    return out.reshape(q_btkgh.shape)
+
+
+def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,
+           hopper: bool = False) -> str:
+    """The attention kind (see the table) for `model.attention = requested` on `platform`
+    with compute `dtype`, `head_dim` and the sequence split over `seq` devices. An explicit
+    `cudnn` that cannot run raises ConfigError naming model.attention; `auto` falls back."""
+    limit = 256 if hopper else 128
+    why_not = (f"needs a GPU (this run's devices are {platform})" if platform != "gpu" else
+               f"needs bfloat16 or float16 compute (model.dtype is {dtype})"
+               if dtype not in ("bfloat16", "float16") else
+               f"needs a head dim that is a multiple of 8 and <= {limit} (it is {head_dim})"
+               if head_dim % 8 or head_dim > limit else
+               f"does not run under ring attention (mesh.seq = {seq}): the blocks' "
+               "log-sum-exp comes back in the output dtype, too coarse to merge them"
+               if seq > 1 else None)
+    if requested == "cudnn" and why_not:
+        raise ConfigError("model.attention", f"cudnn {why_not}; use auto or blocked")
+    if seq > 1:
+        return "ring"
+    return "cudnn" if requested != "blocked" and why_not is None else "blocked"
+
+
 def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
     """The attention function `(q, k, v) -> out` of `kind` (see the table above). `ring` needs
     the ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);
     `manual`: the caller is per-device over `axis` already."""
     if kind == "blocked":
         return causal_attention
+    if kind == "cudnn":
+        return fused_attention
     if kind != "ring":
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
     if manual:

@@ -169,7 +169,6 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
 
     median, n_dev = statistics.median(times), job.plan.num_devices
     tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / median
-    peak_flops = job.topology.peak_flops(cfg.model.dtype, n_dev)
     stats = jax.devices()[0].memory_stats()  # None on CPU
     colls = hlo.summary(hlo.collectives(compiled.as_text(), job.mesh.shape))
     return {
@@ -190,7 +189,8 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "step_time_median_s": median,
         "step_time_mean_s": statistics.fmean(times),
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu(tokens_per_s, cfg.model, cfg.train.seq_len, peak_flops),
+        "mfu": mfu(tokens_per_s, cfg.model, cfg.train.seq_len, job.peak_flops),
+        "peak_tflops": job.peak_flops / 1e12,
         "memory": hlo.memory(compiled),
         "peak_bytes": (stats or {}).get("peak_bytes_in_use"),
         "collectives": [{"kind": k, "axes": list(a), "count": n}
@@ -216,7 +216,8 @@ def format_report(r: dict) -> str:
         f"  compile     {r['compile_s']:.2f} s",
         f"  step time   median {r['step_time_median_s'] * 1e3:.1f} ms, "
         f"mean {r['step_time_mean_s'] * 1e3:.1f} ms over {r['steps']} steps",
-        f"  throughput  {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%",
+        f"  throughput  {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}% of "
+        f"{r['peak_tflops']:,.1f} TFLOP/s {r['dtype']} peak (causal attention counted half)",
         f"  memory/dev  args {_gib(mem['argument_bytes'])}, out {_gib(mem['output_bytes'])}, "
         f"temp {_gib(mem['temp_bytes'])}, total {_gib(mem['total_bytes'])}",
     ]
@@ -239,8 +240,14 @@ def format_report(r: dict) -> str:
 
 
 def _run(args: cli.Args) -> int:
+    import logging
+
+    from . import gpu
+
     cfg = args.load_config()
     simulate_devices(cfg.mesh.simulated_devices)
+    for line in gpu.apply(cfg):  # XLA_FLAGS and the optimization level, before jax starts
+        logging.getLogger("spmd3d").info(line)
     name = Path(args.config).stem if args.config else "default"
     record = run_bench(cfg, steps=args.flags.get("--steps", 10), warmup=args.flags.get("--warmup", 2),
                        name=name, profile_dir=args.flags.get("--profile"))

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import yaml
 
-from .schema import (DTYPES, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS,  # noqa: F401
-                     CheckpointConfig, Config, ConfigError, DataConfig, DistConfig, MeshConfig,
-                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, doc)
+from .gpu import parse_xla_flags
+from .schema import (ATTENTION_KERNELS, DTYPES, PIPELINE_SCHEDULES,  # noqa: F401
+                     REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig, Config, ConfigError,
+                     DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig,
+                     ParallelConfig, RunConfig, TrainConfig, doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,8 +188,11 @@ def validate(cfg: Config) -> None:
     m, mesh, par, tr, op = cfg.model, cfg.mesh, cfg.parallel, cfg.train, cfg.optim
     for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size"):
         _need(getattr(m, name) > 0, f"model.{name}", "must be positive")
-    for name in ("dtype", "param_dtype"):
-        _need(getattr(m, name) in DTYPES, f"model.{name}", f"must be one of {', '.join(DTYPES)}")
+    _need(m.dtype == "auto" or m.dtype in DTYPES, "model.dtype",
+          f"must be auto or one of {', '.join(DTYPES)}")
+    _need(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {', '.join(DTYPES)}")
+    _need(m.attention in ATTENTION_KERNELS, "model.attention",
+          f"must be one of {', '.join(ATTENTION_KERNELS)}")
     _need(m.head_dim >= 0, "model.head_dim", "must be >= 0")
     _divides("model.num_heads", m.num_heads, m.num_kv_heads, "model.num_kv_heads")
     if not m.head_dim:
@@ -262,6 +267,7 @@ def validate(cfg: Config) -> None:
     _need(cfg.run.eval_batches > 0, "run.eval_batches", "must be positive")
     _need(cfg.run.sample_every >= 0, "run.sample_every", "must be >= 0 (0: never)")
     _need(cfg.run.sample_tokens > 0, "run.sample_tokens", "must be positive")
+    parse_xla_flags(cfg.run.xla_flags)  # its syntax; which flags this jaxlib knows: on a GPU
     _need(not cfg.run.eval_every or cfg.data.eval_fraction > 0 or bool(cfg.data.eval_path),
           "run.eval_every", "needs held-out data: data.eval_fraction > 0 or data.eval_path")
     _need(bool(cfg.run.dir), "run.dir", "must not be empty")

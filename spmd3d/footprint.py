@@ -32,8 +32,10 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
     """(the config to compile, the factor its `data` axis was cut by) for at most
     MAX_SIMULATED devices; bf16 compute becomes fp16 (see the module's docstring)."""
     m = cfg.model
+    # XLA:CPU has no cuDNN: an explicit cudnn kernel compiles as the blocked one
     model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
-                    param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype)
+                    param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype,
+                    attention="blocked" if m.attention == "cudnn" else m.attention)
     fixed = cfg.mesh.stage * cfg.mesh.tensor * cfg.mesh.seq
     data = devices // fixed
     cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED),
@@ -152,7 +154,7 @@ def measure(cfg: Config, topology) -> dict:
     return {
         "devices": n, "simulated_devices": n // cut, "data_cut": cut,
         "mesh": dict(real.mesh.shape), "compiled_mesh": dict(plan.mesh.shape),
-        "dtype": cfg.model.dtype, "compiled_dtype": plan.cfg.model.dtype,
+        "dtype": real.cfg.model.dtype, "compiled_dtype": plan.cfg.model.dtype,
         "topology": topology.name, "device_memory_bytes": int(topology.device_memory_gb * 1e9),
         "compile_s": seconds, "compiled": compiled_rec, "by_kind": kinds,
         "needed_bytes": compiled_rec["argument_bytes"] + compiled_rec["temp_bytes"],

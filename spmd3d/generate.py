@@ -263,7 +263,7 @@ def load(source: str | Path, overrides=(), devices=None):
     tokenizer = cfg.data.tokenizer
     if tokenizer != "bytes" and not Path(tokenizer).exists() and (source / "hf").is_dir():
         tokenizer = str(source / "hf")  # a run started from another directory: its own copy
-    return plan, abstract_model(cfg.model)[0], params, load_tokenizer(tokenizer)
+    return plan, abstract_model(plan.cfg.model)[0], params, load_tokenizer(tokenizer)
 
 
 # ----------------------------------------------------------------------------------- command

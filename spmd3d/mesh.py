@@ -18,6 +18,26 @@ DATA, STAGE, TENSOR, SEQ = AXES = ("data", "stage", "tensor", "seq")
 MESH_DIR = Path(__file__).resolve().parent / "meshes"  # top-level meshes/ links here
 
 
+# Dense tensor-core peak TFLOP/s per GPU by `device_kind` (what jax reports, lower-cased,
+# matched by the first pattern it contains), from NVIDIA's data sheets; float32 is TF32, which
+# XLA uses for float32 matmuls on these GPUs. SXM parts; H200 has H100 SXM's compute.
+DEVICE_PEAK_TFLOPS = (
+    ("gh200", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4}),
+    ("h200", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4}),
+    ("h100 pcie", {"float32": 378.0, "bfloat16": 756.0, "float16": 756.0}),
+    ("h100 nvl", {"float32": 417.5, "bfloat16": 835.0, "float16": 835.0}),
+    ("h100", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4}),
+    ("a100", {"float32": 156.0, "bfloat16": 312.0, "float16": 312.0}),
+)
+
+
+def device_peak_tflops(device_kind: str) -> dict | None:
+    """{dtype: peak TFLOP/s} of one device of `device_kind` (e.g. "NVIDIA H100 80GB HBM3"),
+    or None for a kind not in DEVICE_PEAK_TFLOPS (a CPU, say)."""
+    kind = device_kind.lower()
+    return next((peaks for pattern, peaks in DEVICE_PEAK_TFLOPS if pattern in kind), None)
+
+
 @dataclass(frozen=True)
 class Topology:
     """What the hardware is: nodes of devices, link speeds, device memory and peak FLOP/s."""
@@ -38,10 +58,11 @@ class Topology:
     def num_devices(self) -> int:
         return self.devices_per_node * self.nodes
 
-    def peak_flops(self, dtype: str, num_devices: int = 1) -> float:
-        """Peak FLOP/s of `num_devices` devices for a compute dtype name. Simulated CPU devices
+    def peak_flops(self, dtype: str, num_devices: int = 1, device_kind: str = "") -> float:
+        """Peak FLOP/s of `num_devices` devices for a compute dtype name: the device kind's
+        own (DEVICE_PEAK_TFLOPS) when it is known, else the topology's. Simulated CPU devices
         share the host's cores, so together they never exceed the host's peak."""
-        peaks = dict(self.peak_tflops)
+        peaks = (None if self.simulated else device_peak_tflops(device_kind)) or dict(self.peak_tflops)
         per = float(peaks.get(dtype, peaks["float32"])) * 1e12
         return per if self.simulated else per * num_devices
 

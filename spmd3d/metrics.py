@@ -21,14 +21,25 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM's convention: 6 N + 12 L H Q T (fwd + bwd, no remat)."""
-    return 6 * matmul_params(cfg) + 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: float = 0.5) -> float:
+    """Training FLOPs per token (forward + backward, no recompute): 6 N for the matmul
+    parameters N (the head included, the embedding lookup not), plus the attention scores and
+    their use, 12 L H Q T in PaLM's count for a full T x T score matrix. A causal model needs
+    only the half below the diagonal, so MFU counts `causal` = 0.5 of it (as MaxText and
+    Megatron do); `causal=1` gives PaLM's figure."""
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len
+    return 6 * matmul_params(cfg) + causal * attention
 
 
 def mfu(tokens_per_s: float, cfg: ModelConfig, seq_len: int, peak_flops: float) -> float:
-    """Model FLOPs utilization against the peak of all the devices used."""
-    return tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops
+    """Model FLOPs utilization against the peak of all the devices used (`flops_per_token`:
+    causal attention counted half). Above 1 means the peak is wrong for the device: logged."""
+    value = tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops
+    if value > 1:
+        LOG.warning(f"MFU {100 * value:.0f}% is above 100%: the peak FLOP/s "
+                    f"({peak_flops / 1e12:.1f} T) is too low for these devices; set the "
+                    "topology's peak_tflops (mesh.topology)")
+    return value
 
 
 class MetricsLog:

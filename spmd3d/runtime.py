@@ -82,6 +82,13 @@ class Job:
     def batch_sharding(self):
         return self.plan.batch_sharding
 
+    @cached_property
+    def peak_flops(self) -> float:
+        """Peak FLOP/s of all the job's devices at the compute dtype (the MFU denominator):
+        by the devices' kind where it is known (H100, H200, A100), else the topology's."""
+        return self.topology.peak_flops(self.cfg.model.dtype, self.plan.num_devices,
+                                        jax.devices()[0].device_kind)
+
     def global_batch(self, step: int):
         """This process's rows of step `step`, assembled into the global [B, T+1] array."""
         return dist.make_global_batch(self.batches, step, self.batch_sharding,
@@ -166,11 +173,10 @@ def step_record(job: Job, step: int, metrics: dict, seconds: float) -> dict:
 
     cfg = job.cfg
     tps = cfg.train.global_batch * cfg.train.seq_len / seconds
-    peak = job.topology.peak_flops(cfg.model.dtype, job.plan.num_devices)
     return {"step": step, "tokens": step * cfg.train.global_batch * cfg.train.seq_len,
             "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "tokens_per_s": tps, "step_time_s": seconds,
-            "mfu": mfu(tps, cfg.model, cfg.train.seq_len, peak)}
+            "mfu": mfu(tps, cfg.model, cfg.train.seq_len, job.peak_flops)}
 
 
 def restore_or_init(job: Job, ckpt, log=print):

@@ -11,6 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+ATTENTION_KERNELS = ("auto", "blocked", "cudnn")
 
 
 class ConfigError(ValueError):
@@ -57,8 +58,11 @@ class ModelConfig:
     rope_original_max_len: int = doc(8192, "llama3 scaling: the context it was pre-trained on")
     norm_eps: float = doc(1e-5, "epsilon of RMSNorm")
     init_std: float = doc(0.02, "standard deviation of the initial weights")
-    dtype: str = doc("float32", "compute dtype: float32, bfloat16 or float16")
+    dtype: str = doc("auto", "compute dtype: auto (bfloat16 on a GPU, float32 elsewhere), "
+                             "float32, bfloat16 or float16")
     param_dtype: str = doc("float32", "dtype of the master weights and optimizer state")
+    attention: str = doc("auto", "auto (cudnn on a GPU when the shapes allow, else blocked), "
+                                 "blocked (pure JAX) or cudnn (cuDNN flash attention)")
 
     @property
     def dim_per_head(self) -> int:
@@ -148,6 +152,8 @@ class RunConfig:
                                  "N steps and keep it in samples.jsonl; 0: never")
     sample_prompt: str = doc("def", "the text a sample continues")
     sample_tokens: int = doc(64, "new tokens per sample")
+    xla_flags: str = doc("", "XLA flags added to (or overriding) the GPU preset, e.g. "
+                             "\"--xla_gpu_enable_command_buffer=\"; GPU runs only")
     memory_check: bool = doc(True, "refuse a step that needs more memory than a device has, "
                                    "before the first step")
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import cli, dist
+from . import cli, dist, gpu
 from . import config as config_lib
 from .config import Config
 from .mesh import simulate_devices
@@ -130,6 +130,7 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     def save(step, force=False):
         return ckpt.save(step, job.entries(state), checkpoint_meta(job, step), force=force)
 
+    batch = job.global_batch(start) if start < steps else None
     for step in range(start, steps):
         done = step + 1
         evaluate = every and (done % every == 0 or (done == steps and done >= every))
@@ -137,7 +138,9 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
         logged = done % cfg.run.log_every == 0 or done == steps or evaluate or sample
         try:
             memory.fake_oom(step)
-            state, metrics = compiled(state, job.global_batch(step))
+            state, metrics = compiled(state, batch)  # dispatched: the device works on it...
+            if done < steps:  # ...while the host reads and places the next step's batch
+                batch = job.global_batch(done)
             if logged:
                 metrics = jax.device_get(metrics)  # blocks until this step has finished
         except jax.errors.JaxRuntimeError as e:
@@ -200,6 +203,8 @@ def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float)
 def _run(args: cli.Args) -> int:
     cfg = args.load_config()
     simulate_devices(cfg.mesh.simulated_devices)
+    for line in gpu.apply(cfg):  # XLA_FLAGS and the optimization level, before jax starts
+        LOG.info(line)
     dist.initialize(cfg)
     train(cfg, explain=bool(args.flags.get("--explain")))
     return 0

@@ -110,3 +110,55 @@ def test_main_bad_input_exits_2(capsys, args, field):
     assert main(TINY + args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {field}:") and len(err.splitlines()) == 1
+
+
+def test_model_flops_match_the_compiled_step():
+    """The MFU numerator against XLA's count of the compiled step (one device, layers and the
+    loss unrolled, no recompute): 6 N per token plus the attention scores, at the share of the
+    score matrix the blocked kernel computes (9/16 at 8 blocks), within 5 % (the rest is
+    elementwise work: norms, softmax, the optimizer). Attention is 11 % of this model's FLOPs,
+    so counting it in full (PaLM's 12 L H Q T) or not at all would miss."""
+    import jax
+
+    from spmd3d import attention, pipeline
+    from spmd3d.metrics import flops_per_token
+    from spmd3d.runtime import setup
+
+    t = 512
+    cfg = config_lib.load(None, [
+        "model.num_layers=2", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.d_ff=1024", "model.vocab_size=512", f"train.seq_len={t}", "train.global_batch=2",
+        "mesh.data=1", "mesh.tensor=1", "mesh.simulated_devices=0", "parallel.zero_stage=0",
+        "parallel.scan_layers=false", "parallel.loss_chunk=0"])
+    with pipeline.unrolled_loops():
+        compiled, _ = setup(cfg, jax.devices()[:1]).compile()
+    analysis = compiled.cost_analysis()
+    measured = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    tokens = cfg.train.global_batch * t
+    computed = flops_per_token(cfg.model, t, causal=attention.computed_fraction(t)) * tokens
+    assert attention.computed_fraction(t) == 9 / 16
+    assert abs(measured / computed - 1) < 0.05
+    for wrong in (0.0, 1.0):
+        assert abs(measured / (flops_per_token(cfg.model, t, causal=wrong) * tokens) - 1) > 0.05
+
+
+def test_peak_flops_from_the_device_kind(caplog):
+    """The MFU denominator: the device kind's data-sheet peak where it is known, the
+    topology's otherwise; simulated devices share the host's peak. MFU above 100 % is logged."""
+    from spmd3d.mesh import device_peak_tflops, load_topology
+    from spmd3d.metrics import mfu
+
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3")["bfloat16"] == 989.4
+    assert device_peak_tflops("NVIDIA H100 PCIe")["bfloat16"] == 756.0
+    assert device_peak_tflops("NVIDIA H200")["float32"] == 494.7
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB")["bfloat16"] == 312.0
+    assert device_peak_tflops("cpu") is None
+    node = load_topology("dgx_a100_420")  # an A100 cluster's yaml, run on H100s: by kind
+    assert node.peak_flops("bfloat16", 8, "NVIDIA H100 80GB HBM3") == 8 * 989.4e12
+    assert node.peak_flops("bfloat16", 8, "cpu") == 8 * dict(node.peak_tflops)["bfloat16"] * 1e12
+    cpu = load_topology("cpu")
+    assert cpu.peak_flops("float32", 8, "NVIDIA H100 80GB HBM3") == cpu.peak_flops("float32", 1)
+    cfg = config_lib.load(None, TINY).model
+    with caplog.at_level("WARNING", logger="spmd3d.metrics"):
+        assert mfu(1e9, cfg, 32, 1e6) > 1
+    assert "above 100%" in caplog.text

@@ -16,10 +16,11 @@ simulated CPU devices and reports the memory per device and the collectives (`fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..attention import choose
 from ..config import Config, ConfigError, resolve_mesh
 from ..mesh import AXES, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
 from ..pipeline import Schedule, layer_order
@@ -27,9 +28,32 @@ from ..ring import zigzag_order
 from ..sharding import ZeroRules, zero_rules
 
 
+def _platform(mesh, topology: Topology) -> tuple[str, bool]:
+    """(platform, whether the GPUs are Hopper or later) of the mesh's devices; a plan without
+    devices takes the topology's platform and assumes no Hopper."""
+    try:
+        device = mesh.devices.flat[0]
+    except ValueError:  # an AbstractMesh has no devices
+        return topology.platform, False
+    capability = getattr(device, "compute_capability", None) or "0"
+    return device.platform, float(capability) >= 9.0
+
+
+def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str]:
+    """(cfg with `model.dtype` auto resolved: bf16 compute on a GPU, fp32 elsewhere; the
+    attention kind) on the mesh's devices."""
+    platform, hopper = _platform(mesh, topology)
+    m = cfg.model
+    if m.dtype == "auto":
+        m = replace(m, dtype="bfloat16" if platform == "gpu" else "float32")
+        cfg = replace(cfg, model=m)
+    return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
+                       seq=cfg.mesh.seq, hopper=hopper)
+
+
 @dataclass(frozen=True)
 class Plan:
-    cfg: Config  # `mesh.data` resolved
+    cfg: Config  # `mesh.data` and `model.dtype` resolved
     mesh: object  # jax.sharding.Mesh, or AbstractMesh when planned without devices
     topology: Topology
     rules: ZeroRules
@@ -70,6 +94,7 @@ class Plan:
     @classmethod
     def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
         """The decisions for a resolved config on a given mesh."""
+        cfg, attention = _with_kernels(cfg, mesh, topology)
         m, par, tr = cfg.mesh, cfg.parallel, cfg.train
         schedule = (Schedule(m.stage, tr.microbatches, par.pipeline_repeats, par.pipeline_schedule)
                     if m.stage > 1 else None)
@@ -81,7 +106,7 @@ class Plan:
             layer_order=tuple(int(i) for i in layer_order(cfg.model.num_layers, m.stage,
                                                           par.pipeline_repeats)),
             seq_order=tuple(int(i) for i in zigzag_order(tr.seq_len, m.seq)) if m.seq > 1 else None,
-            attention="ring" if m.seq > 1 else "blocked",
+            attention=attention,
         )
 
     @property

@@ -1,0 +1,101 @@
+"""The attention table: which kind runs where (`attention.choose`, resolved once in the plan),
+and the fused kind's plumbing -- GQA head layout, tensor-parallel heads, gradients -- run on the
+CPU through JAX's reference of the same `jax.nn.dot_product_attention` call (cuDNN itself needs
+a GPU; the GPU benchmark compares the two there)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import devices_for, small_config
+
+from spmd3d import attention, config
+from spmd3d.attention import causal_attention, choose, fused_attention
+from spmd3d.plan import Plan
+from spmd3d.schema import ConfigError
+from spmd3d.step import make_grad_fn
+from spmd3d.runtime import setup
+
+GPU = dict(platform="gpu", dtype="bfloat16", head_dim=128, seq=1)
+
+
+@pytest.mark.parametrize("requested,overrides,kind", [
+    ("auto", {}, "cudnn"),
+    ("auto", {"platform": "cpu"}, "blocked"),
+    ("auto", {"dtype": "float32"}, "blocked"),
+    ("auto", {"head_dim": 100}, "blocked"),  # not a multiple of 8
+    ("auto", {"head_dim": 256}, "blocked"),  # > 128 before Hopper
+    ("auto", {"head_dim": 256, "hopper": True}, "cudnn"),
+    ("auto", {"seq": 2}, "ring"),
+    ("blocked", {}, "blocked"),
+    ("blocked", {"seq": 4}, "ring"),
+    ("cudnn", {"dtype": "float16"}, "cudnn"),
+])
+def test_choose(requested, overrides, kind):
+    assert choose(requested, **{**GPU, **overrides}) == kind
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"platform": "cpu"}, "needs a GPU"), ({"dtype": "float32"}, "bfloat16 or float16"),
+    ({"head_dim": 260, "hopper": True}, "<= 256"), ({"seq": 2}, "ring attention")])
+def test_explicit_cudnn_that_cannot_run_is_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        choose("cudnn", **{**GPU, **overrides})
+    assert e.value.field == "model.attention"
+
+
+def test_the_plan_resolves_the_kind_on_its_devices():
+    """On these CPU devices auto is blocked; the same config planned for an H100 node (no
+    devices, the topology's platform) is cudnn; an unknown name fails at load."""
+    cfg = config.load("configs/llama3_8b.yaml")
+    assert cfg.model.attention == "auto" and cfg.model.dtype == "bfloat16"
+    assert Plan.resolve(cfg, topology="h100x8").attention == "cudnn"
+    small = small_config(data=8, extra=["model.dtype=bfloat16"])
+    assert Plan.resolve(small, devices_for(small)).attention == "blocked"
+    with pytest.raises(ConfigError, match="model.attention"):
+        Plan.resolve(replace(small, model=replace(small.model, attention="cudnn")),
+                     devices_for(small))
+    with pytest.raises(ConfigError, match="model.attention"):
+        config.load(None, ["model.attention=flash"])
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_fused_call_equals_the_blocked_kernel(monkeypatch, dtype, tol):
+    """GQA grouping and the causal mask of the fused call, on JAX's reference implementation."""
+    monkeypatch.setattr(attention, "FUSED", "xla")
+    b, t, k, g, h = 2, 256, 2, 3, 16
+    q, kk, v = (jax.random.normal(key, shape, dtype) for key, shape in zip(
+        jax.random.split(jax.random.key(0), 3), [(b, t, k, g, h), (b, t, k, h), (b, t, k, h)]))
+    got, want = fused_attention(q, kk, v), causal_attention(q, kk, v)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+def test_fused_kind_in_the_step_equals_blocked(monkeypatch):
+    """The whole step with the fused kind (its reference implementation) on tensor 2 x data 4:
+    heads split over tensor, the kernel per shard; loss and gradients equal the blocked kind's."""
+    monkeypatch.setattr(attention, "FUSED", "xla")
+    cfg = small_config(data=4, tensor=2, sp=True)
+    job = setup(cfg, devices_for(cfg))
+    state, batch = job.init_state(), job.global_batch(0)
+    results = [jax.jit(make_grad_fn(replace(job.plan, attention=kind), job.graphdef))(
+        state.params, batch) for kind in ("cudnn", "blocked")]
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        g, r = np.asarray(g), np.asarray(r)
+        assert np.max(np.abs(g - r)) <= 1e-5 * np.max(np.abs(r)) + 1e-12
+
+
+@pytest.mark.parametrize("name", ["gpu_1b", "gpu_3b", "gpu_8b"])
+def test_gpu_benchmarks_plan_bf16_and_cudnn(name):
+    """The GPU benchmark configs, planned for an H100 node: bf16 compute over fp32 master
+    weights and the cuDNN kernel (their head dims, 64 and 128, fit it before Hopper too)."""
+    plan = Plan.resolve(config.load(f"configs/{name}.yaml"), topology="h100x8")
+    m = plan.cfg.model
+    assert (m.dtype, m.param_dtype, plan.attention) == ("bfloat16", "float32", "cudnn")
