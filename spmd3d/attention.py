@@ -84,14 +84,15 @@ def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt):
     return jnp.einsum("bkgts,bskh->btkgh", p.astype(v_bskh.dtype), v_bskh)
 
 
-def fused_attention(q_btkgh, k_bskh, v_bskh):
-    """Causal GQA attention in one fused kernel: cuDNN flash attention on a GPU (`FUSED`),
-    which never materialises the scores and skips the blocks above the diagonal.
-    -> out[B, T, K, G, H]."""
+def fused_attention(q_btkgh, k_bskh, v_bskh, implementation: str | None = None):
+    """Causal GQA attention in one fused kernel: cuDNN flash attention on a GPU (`FUSED`,
+    unless `implementation` names another), which never materialises the scores and skips the
+    blocks above the diagonal. -> out[B, T, K, G, H]."""
     b, t, k, g, h = q_btkgh.shape
     # query head n = k * G + g reads key/value head k: the kernel's GQA grouping
     out = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh, v_bskh,
-                                       is_causal=True, implementation=FUSED)
+                                       is_causal=True,
+                                       implementation=implementation or FUSED)
     return out.reshape(q_btkgh.shape)
 
 

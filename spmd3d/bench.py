@@ -1,5 +1,5 @@
 """`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble]
-[--checkpoint] [--profile=DIR] [--json]`
+[--checkpoint] [--attention] [--profile=DIR] [--json]`
 
 Throughput, MFU, compile time, per-device memory and the collectives of one compiled train
 step, for a named config and mesh. The timed loop runs the step alone: batches are built on
@@ -10,6 +10,9 @@ headline number because other work on a shared machine inflates the mean.
 asynchronous and synchronous) and a restore with its fingerprint check.
 `--bubble` (with `mesh.stage > 1`) also compiles the step with its loops unrolled and reports
 the pipeline's per-device FLOPs over the unpipelined step's next to the schedule's theory.
+`--attention` runs one layer's attention of the config (a device's share of heads and rows)
+through the fused kernel (cuDNN on a GPU; JAX's reference of the same call elsewhere) and the
+blocked one: the largest differences of the output and of the gradients, and the time of each.
 `--profile=DIR` traces two more steps after the timed ones with `jax.profiler` into DIR and
 prints where their time went, per category and per instruction (see `profile.py`).
 With `--json` the last stdout line is one JSON object (`run_bench`'s record) for scripts.
@@ -32,7 +35,7 @@ from .mesh import simulate_devices
 COMMAND = cli.Command(
     prog="python -m spmd3d.bench",
     usage="[CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble] [--checkpoint] "
-          "[--profile=DIR] [--json]",
+          "[--attention] [--profile=DIR] [--json]",
     description=("Throughput, MFU, compile time, per-device memory and the collectives of one "
                  "compiled train step of a config on its mesh. The median step time is the "
                  "headline. Exit status 0 done, 2 bad configuration or input (one line), 1 "
@@ -42,6 +45,8 @@ COMMAND = cli.Command(
         cli.Flag("--warmup", "int", "untimed steps first (default 2)", minimum=0),
         cli.Flag("--bubble", help="with mesh.stage > 1: the pipeline's FLOPs against theory"),
         cli.Flag("--checkpoint", help="also time checkpoint saves (async, sync) and a restore"),
+        cli.Flag("--attention", help="the fused attention kernel against the blocked one: "
+                                     "differences and times"),
         cli.Flag("--profile", "str", "trace two more steps with jax.profiler into DIR"),
         cli.Flag("--json", help="the last stdout line is the record as one JSON object"),
     ),
@@ -84,6 +89,57 @@ def measure_bubble(cfg: Config) -> dict:
                                parallel={"pipeline_repeats": 1, "remat": remat})
     measured = stack(cfg) * p / stack(base)
     return {"p": p, "m": m, "v": v, "measured": measured, "theory": schedule.flops_ratio}
+
+
+def measure_attention(cfg: Config, repeats: int = 5) -> dict:
+    """The fused kernel (`attention.fused_attention`: cuDNN on a GPU, JAX's reference of the
+    same call elsewhere) against the blocked one on one layer's attention of `cfg` as a device
+    runs it: max |difference| of the output and of dq, dk, dv over the blocked kernel's max
+    |value|, and the median seconds of a forward + backward of each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from . import attention
+    from .plan import Plan
+
+    plan = Plan.resolve(cfg)
+    m, t, mesh = plan.cfg.model, plan.cfg.train, plan.mesh.shape
+    rows = max(1, t.global_batch // t.microbatches // mesh["data"])
+    k, g = m.num_kv_heads // mesh["tensor"], m.num_heads // m.num_kv_heads
+    shapes = [(rows, t.seq_len, k, g, m.dim_per_head)] + [(rows, t.seq_len, k, m.dim_per_head)] * 2
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, kk, v = (jax.random.normal(key, s, m.dtype) for key, s in zip(keys, shapes))
+    ct = jax.random.normal(keys[3], shapes[0], m.dtype)
+    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+    def run(kernel):
+        def loss(q, kk, v):
+            out = kernel(q, kk, v)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), out
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+        result = jax.block_until_ready(step(q, kk, v))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step(q, kk, v))
+            times.append(time.perf_counter() - start)
+        grads, out = result
+        return [out, *grads], statistics.median(times)
+
+    fused, fused_s = run(lambda *a: attention.fused_attention(*a, implementation=implementation))
+    blocked, blocked_s = run(attention.causal_attention)
+
+    def error(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+    names = ("out", "dq", "dk", "dv")
+    return {"implementation": implementation, "dtype": m.dtype,
+            "shape": {"rows": rows, "T": t.seq_len, "kv_heads": k, "groups": g,
+                      "head_dim": m.dim_per_head},
+            "error": {n: error(a, b) for n, a, b in zip(names, fused, blocked)},
+            "fused_s": fused_s, "blocked_s": blocked_s}
 
 
 def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
@@ -232,6 +288,13 @@ def format_report(r: dict) -> str:
     if "profile" in r:
         from .profile import format_summary
         lines.extend(format_summary(r["profile"]))
+    if "attention" in r:
+        a, s = r["attention"], r["attention"]["shape"]
+        errors = ", ".join(f"{k} {v:.1e}" for k, v in a["error"].items())
+        lines.append(f"  attention   fused ({a['implementation']}) {a['fused_s'] * 1e3:.2f} ms vs "
+                     f"blocked {a['blocked_s'] * 1e3:.2f} ms forward + backward, {a['dtype']}, "
+                     f"{s['rows']} x {s['T']} tokens, {s['kv_heads']} x {s['groups']} heads of "
+                     f"{s['head_dim']}; max |fused - blocked| / max |blocked|: {errors}")
     if "bubble" in r:
         b = r["bubble"]
         lines.append(f"  pipeline    p={b['p']} m={b['m']} v={b['v']}: FLOPs x{b['measured']:.4f} "
@@ -255,6 +318,8 @@ def _run(args: cli.Args) -> int:
         record["bubble"] = measure_bubble(cfg)
     if args.flags.get("--checkpoint"):
         record["checkpoint"] = measure_checkpoint(cfg)
+    if args.flags.get("--attention"):
+        record["attention"] = measure_attention(cfg)
     return cli.report(format_report(record), record, bool(args.flags.get("--json")))
 
 

@@ -21,7 +21,7 @@ from .gpu import parse_xla_flags
 from .schema import (ATTENTION_KERNELS, DTYPES, PIPELINE_SCHEDULES,  # noqa: F401
                      REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig, Config, ConfigError,
                      DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig,
-                     ParallelConfig, RunConfig, TrainConfig, doc)
+                     ParallelConfig, RunConfig, TrainConfig, compute_dtype, doc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ layout) and run with `lax.scan`: one compiled block, whatever the depth.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .attention import causal_attention
-from .config import ModelConfig
+from .config import ModelConfig, compute_dtype
 from .pipeline import unroll
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        mesh_axes, use_param)
@@ -239,6 +241,8 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer_order: tuple | None = None):
+        # a plan resolves `dtype: auto`; a model built from a raw config resolves it the same way
+        cfg = replace(cfg, dtype=compute_dtype(cfg.dtype, jax.default_backend()))
         self.cfg = cfg
         order = None if layer_order is None else tuple(int(i) for i in layer_order)
         self.layer_order = None if order == tuple(range(cfg.num_layers)) else order  # -1: pad

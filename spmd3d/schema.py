@@ -14,6 +14,13 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn")
 
 
+def compute_dtype(dtype: str, platform: str) -> str:
+    """`model.dtype` on `platform`: auto is bf16 compute on a GPU, fp32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if platform == "gpu" else "float32"
+
+
 class ConfigError(ValueError):
     """A configuration mistake; `field` is the dotted name to blame, str(self) is one line."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..attention import choose
-from ..config import Config, ConfigError, resolve_mesh
+from ..config import Config, ConfigError, compute_dtype, resolve_mesh
 from ..mesh import AXES, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
 from ..pipeline import Schedule, layer_order
 from ..ring import zigzag_order
@@ -45,7 +45,7 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str]:
     platform, hopper = _platform(mesh, topology)
     m = cfg.model
     if m.dtype == "auto":
-        m = replace(m, dtype="bfloat16" if platform == "gpu" else "float32")
+        m = replace(m, dtype=compute_dtype(m.dtype, platform))
         cfg = replace(cfg, model=m)
     return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
                        seq=cfg.mesh.seq, hopper=hopper)
