@@ -7,13 +7,21 @@ clipping turned on or off (`optax.adamw` would add a schedule count of its own).
 
 Weight decay applies to matrices only: a parameter is decayed when it has two or more dims
 besides the stacked `layers` dim, so norm scales (stacked or not) are never decayed.
+
+Clipping and Adam are one transform (`scale_by_clipped_adam`): the clip factor is a scalar
+that each moment update multiplies in, so no clipped copy of the gradients ever exists. With
+optax's `clip_by_global_norm` before `scale_by_adam`, XLA kept that copy (both moments read it):
+one more fp32 gradient-sized buffer per device, 63 MB a layer at d_model 1024, 14 GB for a 3.6B
+model on one GPU (`tests/test_memory.py`).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
+from optax._src.numerics import safe_increment
 
 from .config import OptimConfig
 
@@ -41,10 +49,39 @@ def decay_mask(params):
     return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float,
+                          eps: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm(clip_norm)` (none when 0) then `optax.scale_by_adam`, as one
+    transform with Adam's state: each parameter's clipped gradient, moments and update are one
+    elementwise expression (a fused loop), the clip factor a scalar inside it."""
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def update(grads, state, params=None):
+        del params
+        scale = 1.0
+        if clip_norm > 0:  # optax's rule: unchanged below the threshold
+            norm = optax.global_norm(grads)
+            scale = jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
+        count = safe_increment(state.count)
+        fix1, fix2 = 1 - b1 ** count, 1 - b2 ** count  # bias corrections
+
+        def one(g, mu, nu):
+            g = g * jnp.asarray(scale, g.dtype)
+            mu = (1 - b1) * g + b1 * mu
+            nu = (1 - b2) * (g * g) + b2 * nu
+            step = (mu / fix1.astype(mu.dtype)) / (jnp.sqrt(nu / fix2.astype(nu.dtype)) + eps)
+            return step, mu, nu
+
+        out = jax.tree.map(one, grads, state.mu, state.nu)
+        steps, mu, nu = jax.tree.transpose(jax.tree.structure(grads),
+                                           jax.tree.structure((0, 0, 0)), out)
+        return steps, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(adam.init, update)
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """Clipping (unless `clip_norm` is 0), Adam, decoupled weight decay: `optax.adamw` up to
     its final scaling by -lr, which the step applies."""
-    parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
-    parts += [optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
-              optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask)]
-    return optax.chain(*parts)
+    return optax.chain(scale_by_clipped_adam(cfg.clip_norm, cfg.b1, cfg.b2, cfg.eps),
+                       optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))

@@ -79,3 +79,49 @@ def test_an_out_of_memory_at_run_time_is_one_line_and_keeps_the_checkpoint(tmp_p
     assert lines[0].startswith("error: out of memory at step 3: the device could not allocate "
                                "68.7 GB; the compiled step needs "), lines[0]
     assert tree_digest(checkpoints) == before
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5, 100.0])  # none, clipping, a norm under the limit
+def test_clipped_adam_equals_optax(clip):
+    """The fused clip + Adam transform gives optax's clip_by_global_norm + scale_by_adam
+    updates and moments over three steps (float32 rounding)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from spmd3d.optim import scale_by_clipped_adam
+
+    ref = optax.chain(*([optax.clip_by_global_norm(clip)] if clip else []),
+                      optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8))
+    new = scale_by_clipped_adam(clip, 0.9, 0.95, 1e-8)
+    params = {"w": jnp.ones((4, 5)), "norm": {"scale": jnp.ones(7)}}
+    ref_state, new_state = ref.init(params), new.init(params)
+    for i in range(3):
+        grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(i), x.shape), params)
+        want, ref_state = ref.update(grads, ref_state, params)
+        got, new_state = new.update(grads, new_state, params)
+        for a, b in zip(jax.tree.leaves((want, ref_state[-1])), jax.tree.leaves((got, new_state))):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-12)
+
+
+def test_clipping_keeps_no_copy_of_the_gradients():
+    """Gradient clipping costs no gradient-sized buffer: 6 layers of d_model 1024 (63 MB of
+    fp32 gradients a layer), one device, temporaries with clipping at most a quarter layer
+    above those without. optax's clip_by_global_norm before scale_by_adam measured 188 MB
+    above (XLA kept the clipped gradients, which both moments read)."""
+    import jax
+
+    from spmd3d import config, hlo, runtime
+
+    def temporaries(clip):
+        cfg = config.load(None, [
+            "model.num_layers=6", "model.d_model=1024", "model.num_heads=8",
+            "model.num_kv_heads=4", "model.d_ff=4096", "model.vocab_size=1024",
+            "train.seq_len=256", "train.global_batch=1", "mesh.data=1", "mesh.tensor=1",
+            "mesh.simulated_devices=0", "parallel.zero_stage=0", "parallel.remat=full",
+            "model.dtype=float16", f"optim.clip_norm={clip}"])
+        return hlo.memory(runtime.setup(cfg, jax.devices()[:1]).compile()[0])["temp_bytes"]
+
+    layer_grads = (1024 * (8 + 2 * 4) * 128 + 8 * 128 * 1024 + 3 * 1024 * 4096) * 4
+    assert temporaries(1.0) - temporaries(0) < layer_grads / 4
