@@ -74,7 +74,7 @@ def state_terms(plan) -> dict:
 
 def working_terms(plan) -> dict:
     """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
-    collects, its belt and a circular pipeline's wrap-around slots) and of one piece of the
+    collects, its belt and a circular GPipe's wrap-around slots) and of one piece of the
     loss (its logits, softmax and one-hot, fp32)."""
     from .model import loss_chunks
 
@@ -87,7 +87,8 @@ def working_terms(plan) -> dict:
     buffers, tokens = 0, row
     if plan.schedule:
         slots = -(-micro // plan.schedule.stages)
-        buffers = (2 * slots + 2 + (micro if plan.schedule.repeats > 1 else 0)) * row * m.d_model
+        wrap = plan.schedule.repeats > 1 and plan.schedule.kind == "gpipe"  # circular GPipe
+        buffers = (2 * slots + 2 + (micro if wrap else 0)) * row * m.d_model
         tokens = slots * row
     piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
     return {"pipeline_buffers": buffers * itemsize,

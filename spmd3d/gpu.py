@@ -82,12 +82,8 @@ def _name(token: str) -> str:
 
 
 def layer_bytes(model) -> int:
-    """Bytes of one transformer layer's weights in `param_dtype`: wq, wk, wv, wo and the gated
-    MLP (the norms' 2*d are noise)."""
-    d, h, k, hd, f = (model.d_model, model.num_heads, model.num_kv_heads, model.dim_per_head,
-                      model.d_ff)
-    params = d * (h + 2 * k) * hd + h * hd * d + 3 * d * f
-    return params * DTYPE_BYTES[model.param_dtype]
+    """Bytes of one transformer layer's weights in `param_dtype`."""
+    return model.layer_params * DTYPE_BYTES[model.param_dtype]
 
 
 def combine_threshold(cfg) -> int | None:

@@ -15,10 +15,7 @@ LOG = logging.getLogger("spmd3d.metrics")
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in matmuls: every block weight and the output head."""
-    d, h, k, f = cfg.d_model, cfg.dim_per_head, cfg.num_kv_heads, cfg.d_ff
-    attn = d * (cfg.num_heads + 2 * k) * h + cfg.num_heads * h * d
-    mlp = 3 * d * f
-    return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
+    return cfg.num_layers * cfg.layer_params + cfg.d_model * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: float = 0.5) -> float:

@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 from .attention import causal_attention
 from .config import ModelConfig, compute_dtype
 from .pipeline import unroll
+from .rope import apply_rope, rope_frequencies, rope_tables
+from .taps import Taps
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        mesh_axes, use_param)
 
@@ -48,6 +50,13 @@ def remat_policy(name: str):
 def _use(p: Param, dtype):
     """The value of parameter `p` as a matmul input (see `sharding.use_param`)."""
     return use_param(p[...], p.get_metadata("axes"), dtype)
+
+
+def _project(module, name: str, x, taps: Taps | None = None):
+    """Projection `name` of `module` (its `PROJECTIONS`: weight and einsum) applied to x."""
+    weight, spec = module.PROJECTIONS[name]
+    y = jnp.einsum(spec, x, _use(getattr(module, weight), module.dtype))
+    return y if taps is None else taps.project(name, x, y)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> Param:
@@ -79,45 +88,6 @@ def loss_chunks(tokens: int, chunk: int) -> int:
     if chunk <= 0 or tokens <= chunk:
         return 1
     return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
-
-
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """The rotary frequencies [H/2] (fp32, numpy), computed as transformers' LLaMA does:
-    1 / theta^(2i/H), and with `rope_scaling = llama3` LLaMA 3.1's rescaling (wavelengths
-    longer than original_max_len / low_freq_factor slowed down by `rope_factor`, those shorter
-    than original_max_len / high_freq_factor kept, a linear blend in between)."""
-    h = cfg.dim_per_head
-    freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h)))
-    if cfg.rope_scaling == "llama3":
-        lo, hi, n = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
-        wavelen = 2 * np.pi / freq
-        slow = np.where(wavelen > n / lo, freq / cfg.rope_factor, freq)
-        smooth = (n / wavelen - lo) / (hi - lo)
-        blend = (1 - smooth) * slow / cfg.rope_factor + smooth * slow
-        medium = ~(wavelen < n / hi) & ~(wavelen > n / lo)
-        freq = np.where(medium, blend, slow)
-    return freq.astype(np.float32)
-
-
-def rope_tables(positions_bt, freq):
-    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T] and frequencies [H/2].
-
-    Static positions (numpy) give constant tables. Traced, XLA:CPU fuses cos and sin into
-    every consumer and evaluates them once per element of q and k, forward and backward.
-    """
-    xp = np if isinstance(positions_bt, np.ndarray) else jnp
-    angle = positions_bt.astype(xp.float32)[..., None] * freq
-    return xp.cos(angle), xp.sin(angle)
-
-
-def apply_rope(x, cos_bth, sin_bth):
-    """Rotate pairs (first half, second half) of the last dim of x[B, T, ..., H]."""
-    extra = x.ndim - 3  # head dims between T and H
-    cos = cos_bth.reshape(cos_bth.shape[:2] + (1,) * extra + cos_bth.shape[2:])
-    sin = sin_bth.reshape(sin_bth.shape[:2] + (1,) * extra + sin_bth.shape[2:])
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _per_device(layout):
@@ -161,6 +131,10 @@ class Attention(nnx.Module):
     then its key and its value. Splitting `kv_heads` over `tensor` keeps each group whole on one
     device, and one fused matmul means one input-gradient all-reduce instead of three."""
 
+    # x[B_data, T, D] · w[D, K_tensor, G+2, H] -> qkv[B_data, T, K_tensor, G+2, H];
+    # row-parallel out: contracting the tensor-split heads all-reduces (or reduce-scatters) y
+    PROJECTIONS = {"qkv": ("w_qkv", "btd,dkch->btkch"), "o": ("w_o", "btkgh,kghd->btd")}
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, k, h = cfg.d_model, cfg.num_kv_heads, cfg.dim_per_head
         self.g = cfg.num_heads // k
@@ -171,9 +145,8 @@ class Attention(nnx.Module):
         self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
                           out_std, cfg.param_dtype)
 
-    def __call__(self, x_btd, cos, sin, attend):
-        # x[B_data, T, D] · w[D, K_tensor, G+2, H] -> qkv[B_data, T, K_tensor, G+2, H]
-        qkv = jnp.einsum("btd,dkch->btkch", x_btd, _use(self.w_qkv, self.dtype))
+    def __call__(self, x_btd, cos, sin, attend, taps=None):
+        qkv = _project(self, "qkv", x_btd, taps)
         # a split (not three slices): its transpose is one concatenate, not pads and adds
         q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
         q = apply_rope(q, cos, sin)
@@ -185,12 +158,14 @@ class Attention(nnx.Module):
         with jax.named_scope("kernel"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
             out = constrain(attend(q, k, v), ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
-        # row-parallel: contracting the tensor-split heads all-reduces (or reduce-scatters) y
-        return jnp.einsum("btkgh,kghd->btd", out, _use(self.w_o, self.dtype))
+        return _project(self, "o", out, taps)
 
 
 class MLP(nnx.Module):
     """SwiGLU; gate and up projections fused as [D, 2, F] (one matmul, one all-reduce)."""
+
+    # x[B_data, T, D] · w[D, 2, F_tensor] -> h[B_data, T, 2, F_tensor]; then back to D
+    PROJECTIONS = {"gate_up": ("w_gate_up", "btd,dcf->btcf"), "down": ("w_down", "btf,fd->btd")}
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.dtype = cfg.dtype
@@ -199,13 +174,12 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"),
                              cfg.init_std / (2 * cfg.num_layers) ** 0.5, cfg.param_dtype)
 
-    def __call__(self, x_btd):
-        # x[B_data, T, D] · w[D, 2, F_tensor] -> h[B_data, T, 2, F_tensor]
-        h = jnp.einsum("btd,dcf->btcf", x_btd, _use(self.w_gate_up, self.dtype))
+    def __call__(self, x_btd, taps=None):
+        h = _project(self, "gate_up", x_btd, taps)
         gate, up = jnp.split(h, 2, axis=2)
         a = jax.nn.silu(gate[:, :, 0]) * up[:, :, 0]
         a = constrain(a, ("batch", "length", "mlp"))
-        return jnp.einsum("btf,fd->btd", a, _use(self.w_down, self.dtype))
+        return _project(self, "down", a, taps)
 
 
 class Block(nnx.Module):
@@ -215,7 +189,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_btd, cos, sin, attend):
+    def project(self, name: str, x):
+        """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""
+        return _project(self.attn if name in Attention.PROJECTIONS else self.mlp, name, x)
+
+    def __call__(self, x_btd, cos, sin, attend, taps=None):
         # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
         # Under SP the norms run on T_res-split activations; entering attention or the MLP
         # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
@@ -223,10 +201,10 @@ class Block(nnx.Module):
         res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
         with jax.named_scope("attention"):
             h = constrain(constrain(self.attn_norm(x_btd), res), full)
-            x = constrain(x_btd + self.attn(h, cos, sin, attend), res)
+            x = constrain(x_btd + self.attn(h, cos, sin, attend, taps), res)
         with jax.named_scope("mlp"):
             h = constrain(constrain(self.mlp_norm(x), res), full)
-            return constrain(x + self.mlp(h), res)
+            return constrain(x + self.mlp(h, taps), res)
 
 
 class Transformer(nnx.Module):
@@ -271,19 +249,32 @@ class Transformer(nnx.Module):
         positions = positions_t[None] if positions_t.ndim == 1 else positions_t
         return rope_tables(positions, rope_frequencies(self.cfg))
 
+    def layer(self, remat: str = "none", attend=causal_attention):
+        """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer under the remat policy;
+        `on` (bool) false makes it a padding slot that passes x through. Given `zeros` (a
+        `Taps` input per projection, shaped as `taps.split`'s `tap_shapes` says) it returns
+        (x, the projections' inputs) and adds the zeros to the projections' outputs."""
+        graphdef = nnx.graphdef(self.blocks)
+
+        def apply(params, x, rope, on=None, zeros=None):
+            taps = None if zeros is None else Taps(zeros)
+            y = nnx.merge(graphdef, params)(x, *rope, attend, taps)
+            y = y if on is None else jnp.where(on, y, x)
+            return y if taps is None else (y, taps.inputs)
+
+        return jax.checkpoint(apply, policy=remat_policy(remat), prevent_cse=False)
+
     def layers(self, remat: str = "none", scan: bool = True, attend=causal_attention):
         """`fn(stacked[c, ...], x, rope, active=None) -> x`: c stacked layers applied in their
         stacked order, each under the remat policy, in a `lax.scan` (unrolled when `scan` is
         false); `active[c]` (bool) marks real layers, a padding slot passes x through."""
-        graphdef = nnx.graphdef(self.blocks)
+        one = self.layer(remat, attend)
 
         def run(stacked, x, rope, active=None):
             def layer(x, slot):
                 params, on = slot
-                y = nnx.merge(graphdef, params)(x, *rope, attend)
-                return (y if on is None else jnp.where(on, y, x)), None
+                return one(params, x, rope, on), None
 
-            layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
             with jax.named_scope("layers"):
                 return jax.lax.scan(layer, x, (stacked, active), unroll=unroll() or not scan)[0]
 

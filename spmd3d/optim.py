@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from optax._src.numerics import safe_increment
 
 from .config import OptimConfig
 
@@ -60,9 +59,9 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float,
         del params
         scale = 1.0
         if clip_norm > 0:  # optax's rule: unchanged below the threshold
-            norm = optax.global_norm(grads)
+            norm = optax.tree.norm(grads)
             scale = jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
-        count = safe_increment(state.count)
+        count = optax.safe_increment(state.count)
         fix1, fix2 = 1 - b1 ** count, 1 - b2 ** count  # bias corrections
 
         def one(g, mu, nu):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 ROPE_SCALINGS = ("none", "llama3")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn")
 
 
@@ -75,6 +75,13 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
+    @property
+    def layer_params(self) -> int:
+        """One layer's matmul weights: wq, wk, wv, wo and the gated MLP (the norms' 2 d are
+        noise)."""
+        d, h, k, f = self.d_model, self.dim_per_head, self.num_kv_heads, self.d_ff
+        return d * (self.num_heads + 2 * k) * h + self.num_heads * h * d + 3 * d * f
+
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -99,8 +106,10 @@ class ParallelConfig:
     zero_stage: int = doc(1, "shard over data: optimizer state (1), + grads (2), + params (3)")
     pipeline_repeats: int = doc(1, "circular pipeline: chunks of layers per stage")
     pipeline_schedule: str = doc("gpipe", "gpipe (all forwards, then all backwards: saves m "
-                                          "microbatches) or 1f1b (one forward and one backward "
-                                          "per tick: saves at most 2p-1)")
+                                          "microbatches), 1f1b (one forward and one backward "
+                                          "per tick: saves at most 2p-1; interleaved with "
+                                          "repeats) or zb_h1 (zero bubble: B and W apart, W "
+                                          "filling the bubble; saves at most p)")
     sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
     remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
                              "stage (keep only each stage's input per microbatch)")

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, pipeline
+from . import attention, pipeline, taps
 from .pipeline import gpipe, one_f_one_b
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
@@ -199,13 +199,17 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
 
     if schedule.kind == "gpipe":
         return gpipe_loss(blocks, model.head_weights(), x)
-    # 1F1B: the head runs on the last stage inside the schedule, which needs every label there
+    # 1F1B and ZB-H1: the head runs on the last stage inside the schedule, which needs every
+    # label there
     labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), NamedSharding(
         plan.mesh, P(None, data, rules.compute["length"])))
+    # ZB-H1 splits each layer's backward with the model's projection taps
+    split = taps.split(model, attend)
     with activation_rules(inner, None, grads):
         return one_f_one_b.loss_and_grads(
             blocks, model.head_weights(), x, labels_mb, rope, schedule, axis, plan.mesh,
-            stage=stage, forward=gpipe_loss, **where,
+            layer=model.layer(_layer_remat(par.remat), attend), scan=par.scan_layers,
+            forward=gpipe_loss, split=split, **where,
             loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
 
 

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import (assert_grads_match, assert_losses_match, devices_for, reference_run,
-                     small_config)
+from helpers import (assert_grads_match, assert_losses_match, devices_for, first_grads,
+                     reference_run, small_config)
 from spmd3d import hlo, pipeline, runtime
 from spmd3d.pipeline import Schedule, layer_order
 
@@ -34,6 +34,7 @@ LAYOUTS = {
 
 # 1F1B (`parallel.pipeline_schedule=1f1b`): its own backward, the loss head on the last stage
 F1B = ["parallel.pipeline_schedule=1f1b"]
+V2 = ["parallel.pipeline_repeats=2"]
 ONE_F_ONE_B = {
     "1f1b_dp4_pp2_m2": dict(data=4, stage=2, micro=2, extra=F1B),  # m = p
     "1f1b_pp4_tp2_m16": dict(stage=4, tensor=2, micro=16, extra=F1B),  # m = 4p
@@ -47,8 +48,31 @@ ONE_F_ONE_B = {
                                          extra=F1B),
     "1f1b_dp2_pp2_tp2_save_dots_zero2": dict(data=2, stage=2, tensor=2, micro=4, zero=2,
                                              remat="save_dots", extra=F1B),
+    # interleaved 1F1B: two chunks of one layer per stage
+    "1f1b_dp4_pp2_v2_m2": dict(data=4, stage=2, micro=2, extra=F1B + V2),  # m = p
+    "1f1b_dp2_pp2_tp2_v2_m8_sp_zero3": dict(data=2, stage=2, tensor=2, micro=8, zero=3, sp=True,
+                                            extra=F1B + V2),  # m = 4p
+    "1f1b_pp2_tp2_seq2_v2_full_remat": dict(stage=2, tensor=2, seq=2, micro=4, remat="full",
+                                            extra=F1B + V2),
 }
 LAYOUTS.update(ONE_F_ONE_B)
+
+# ZB-H1 (`parallel.pipeline_schedule=zb_h1`): B and W apart, each stage its own op per slot
+ZB = ["parallel.pipeline_schedule=zb_h1"]
+ZERO_BUBBLE = {
+    "zb_dp4_pp2_m2": dict(data=4, stage=2, micro=2, extra=ZB),  # m = p
+    "zb_pp4_tp2_m16": dict(stage=4, tensor=2, micro=16, extra=ZB),  # m = 4p
+    "zb_dp2_pp4_m2": dict(data=2, stage=4, micro=2, extra=ZB),  # fewer microbatches than p
+    "zb_dp2_pp2_tp2_sp_zero3": dict(data=2, stage=2, tensor=2, micro=4, zero=3, sp=True,
+                                    extra=ZB),
+    "zb_dp2_pp4_m8_full_remat_chunked_loss": dict(data=2, stage=4, micro=8, remat="full",
+                                                  extra=ZB + ["parallel.loss_chunk=8"]),
+    "zb_dp2_pp2_tp2_stage_remat_zero2": dict(data=2, stage=2, tensor=2, micro=4, zero=2,
+                                             remat="stage", extra=ZB),
+    "zb_dp2_pp2_tp2_save_dots": dict(data=2, stage=2, tensor=2, micro=4, remat="save_dots",
+                                     extra=ZB),
+}
+LAYOUTS.update(ZERO_BUBBLE)
 
 
 def cfg(extra=(), **kw):
@@ -69,7 +93,8 @@ def test_pipeline_losses_match_one_device(reference, name):
                                   "dp2_pp2_tp2_sp_stage_remat", "1f1b_dp4_pp2_m2",
                                   "1f1b_pp4_tp2_m16", "1f1b_dp2_pp4_m2", "1f1b_dp2_pp2_tp2_sp_zero3",
                                   "1f1b_pp2_tp2_seq2_sp", "1f1b_dp2_pp4_m8_full_remat_chunked_loss",
-                                  "1f1b_dp2_pp2_tp2_stage_remat"])
+                                  "1f1b_dp2_pp2_tp2_stage_remat", "1f1b_dp4_pp2_v2_m2",
+                                  "1f1b_dp2_pp2_tp2_v2_m8_sp_zero3", *ZERO_BUBBLE])
 def test_pipeline_grads_match_one_device(reference, name):
     assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
 
@@ -115,6 +140,40 @@ def per_device_flops(layers, extra=(), **kw):
     return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
 
+def test_interleaved_1f1b_on_four_stages_matches_one_device():
+    """Interleaved 1F1B at p = 4 (two one-layer chunks per stage of an 8-layer model, m = p,
+    with data): virtual stage j = c p + s, so the forward ring wraps stage 3's chunk 0 into
+    stage 0's chunk 1."""
+    l8 = ["model.num_layers=8"]
+    assert_grads_match(small_config(data=2, stage=4, micro=4, extra=l8 + F1B + V2),
+                       first_grads(small_config(extra=l8)))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 32)])
+def test_zb_h1_table_fills_the_bubble_within_1f1b_memory(p, m):
+    """The ZB-H1 table takes 3m + p - 1 slots (1F1B's lockstep ticks cost 3m + 3(p - 1) slots
+    of one F, B or W), runs every F, B and W once per stage after what it needs, and keeps at
+    most p microbatches between a stage's F and its W (1F1B's peak, on every stage)."""
+    from spmd3d.pipeline.zero_bubble import BACKWARD, FORWARD, WEIGHT, zb_h1_table
+
+    ops, _, _ = zb_h1_table(p, m)
+    kind, mb = ops[..., 0], ops[..., 1]
+    busy = np.flatnonzero((kind != 0).any(axis=1))
+    assert busy[-1] + 1 == 3 * m + p - 1 == Schedule(p, m, kind="zb_h1").ticks
+    when = {(int(k), s, int(i)): t for t in range(len(ops)) for s in range(p)
+            for k, i in [ops[t, s]] if k}
+    assert len(when) == 3 * p * m
+    for s in range(p):
+        for i in range(m):
+            f, b, w = (when[(k, s, i)] for k in (FORWARD, BACKWARD, WEIGHT))
+            assert f < b < w
+            assert s == 0 or when[(FORWARD, s - 1, i)] < f
+            assert s == p - 1 or when[(BACKWARD, s + 1, i)] < b
+        live = np.cumsum(kind[:, s] == FORWARD) - np.cumsum(kind[:, s] == WEIGHT)
+        assert live.max() <= min(p, m)
+    assert Schedule(p, m, kind="zb_h1").in_flight == min(p, m)
+
+
 def stack_flops(**kw):
     """Per-device FLOPs of 4 layers: the step with 8 layers less the step with 4 (what does not
     depend on the depth -- embedding, head, loss, the optimizer's share -- cancels)."""
@@ -123,14 +182,16 @@ def stack_flops(**kw):
 
 @pytest.mark.parametrize("p,m,v,kind", [(2, 2, 1, "gpipe"), (2, 4, 1, "gpipe"),
                                          (4, 4, 1, "gpipe"), (2, 2, 2, "gpipe"),
-                                         (4, 4, 1, "1f1b"), (2, 8, 1, "1f1b")])
+                                         (4, 4, 1, "1f1b"), (2, 8, 1, "1f1b"),
+                                         (2, 4, 2, "1f1b")])
 def test_bubble_flops_match_the_schedule(p, m, v, kind):
     """Every stage computes at every tick, so the layer stack's FLOPs per device times p over
     the unpipelined ones is the schedule's (v*m + p - 1) / (v*m): the bubble, no more. 1F1B's
     warm-up and cool-down ticks run forwards alone and backwards alone, so it computes as
-    much as GPipe. (A circular pipeline recomputes each stage in the backward, so both sides
-    use stage remat.)"""
-    remat = "stage" if v > 1 else "none"
+    much as GPipe; interleaved, (v*m + p - 1) chunk forwards and backwards per stage. (A
+    circular GPipe recomputes each stage in the backward, so both sides use stage remat;
+    interleaved 1F1B keeps residuals as 1F1B does.)"""
+    remat = "stage" if v > 1 and kind == "gpipe" else "none"
     one = stack_flops(remat=remat)
     piped = stack_flops(stage=p, micro=m, remat=remat, extra=[
         f"parallel.pipeline_repeats={v}", f"parallel.pipeline_schedule={kind}"])
@@ -235,19 +296,23 @@ def test_temporaries_grow_by_activations_per_microbatch_never_by_weights(remat, 
     assert per_microbatch < weights / 50
 
 
-def test_1f1b_temporaries_do_not_grow_with_microbatches():
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_1f1b_temporaries_do_not_grow_with_microbatches(repeats):
     """GPipe keeps what the backward needs of every microbatch until the backward starts, so
-    its temporaries grow with m; 1F1B keeps at most 2p - 1 microbatches' residuals: from m = p
-    to m = 4p its temporaries stay within 2 % (measured: +0.6 %), while GPipe's grow by more
-    than the 3p extra microbatches' saved activations (measured: +31 %)."""
+    its temporaries grow with m; 1F1B keeps at most 2p - 1 microbatches' residuals (interleaved:
+    2vp - 1 chunk passes): from m = p to m = 4p its temporaries stay within 2 % (measured:
+    +1.0 %; interleaved +0.9 %), while GPipe's grow by the 3p extra microbatches' saved
+    activations (measured: +31 %; circular GPipe, which keeps only the v stage inputs of each
+    microbatch and recomputes the rest, +3.6 %)."""
     p = 2
 
     def temps(m, kind):
         c = cfg(data=2, stage=p, tensor=2, micro=m, zero=1, extra=WIDE + [
-            f"train.global_batch={2 * m}", f"parallel.pipeline_schedule={kind}"])
+            f"train.global_batch={2 * m}", f"parallel.pipeline_schedule={kind}",
+            f"parallel.pipeline_repeats={repeats}"])
         return hlo.memory(runtime.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
 
     one_f_one_b = temps(4 * p, "1f1b") / temps(p, "1f1b")
     gpipe = temps(4 * p, "gpipe") / temps(p, "gpipe")
     assert one_f_one_b < 1.02, one_f_one_b
-    assert gpipe > 1.2, gpipe
+    assert gpipe > (1.2 if repeats == 1 else 1.025), gpipe

@@ -5,7 +5,10 @@ the ticks, the shifts between stages and the bubble. Two schedules, one module e
 - `gpipe.run`: every forward tick, then (by autodiff of the tick scan) every backward tick; with
   circular repeats. It saves what the backward needs of all m microbatches.
 - `one_f_one_b.loss_and_grads`: one forward and one backward per tick, the loss head on the last
-  stage, so a stage keeps at most 2p - 1 microbatches' residuals whatever m is.
+  stage, so a stage keeps at most 2p - 1 microbatches' residuals whatever m is (interleaved
+  with repeats).
+- `zero_bubble.train` (through `one_f_one_b.loss_and_grads`): ZB-H1, the backward split into
+  input and weight gradients, each stage running its own operation per slot from a table.
 Here: the `Schedule` (its ticks, bubble and in-flight microbatches), the order the stacked layers
 are stored in, and the per-device helpers both schedules use.
 """
@@ -43,38 +46,59 @@ class Schedule:
     stages: int  # p
     microbatches: int  # m
     repeats: int = 1  # v
-    kind: str = "gpipe"  # gpipe | 1f1b
+    kind: str = "gpipe"  # gpipe | 1f1b | zb_h1
 
     @property
     def ticks(self) -> int:
         """Forward ticks (GPipe: and as many backward ticks), or 1F1B's ticks, each a forward
         and a backward on every stage but the p - 1 forward-only ticks of the warm-up and the
-        p - 1 backward-only ticks of the cool-down."""
-        if self.kind == "1f1b":
-            return self.microbatches + 2 * (self.stages - 1)
-        return self.repeats * self.microbatches + self.stages - 1
+        p - 1 backward-only ticks of the cool-down, or ZB-H1's slots of one F, B or W each."""
+        p, m, v = self.stages, self.microbatches, self.repeats
+        if self.kind == "1f1b":  # v p - 1 forward-only, v m + p - v p, v p - 1 backward-only
+            return v * m + (v + 1) * p - 2
+        if self.kind == "zb_h1":
+            return 3 * m + p - 1
+        return v * m + p - 1
 
     @property
     def flops_ratio(self) -> float:
         """Per-device layer FLOPs times p over those without a pipeline: (v·m + p − 1)/(v·m)
-        for both schedules (every stage computes at every tick; 1F1B's warm-up and cool-down
-        hold p - 1 forwards and p - 1 backwards)."""
+        for the lockstep schedules (every stage computes at every tick; 1F1B's warm-up and
+        cool-down hold p - 1 forwards and p - 1 backwards); 1 for ZB-H1, whose idle slots
+        compute nothing."""
         v, m = self.repeats, self.microbatches
+        if self.kind == "zb_h1":
+            return 1.0
         return (v * m + self.stages - 1) / (v * m)
 
     @property
     def bubble(self) -> float:
-        """The idle fraction of each stage's work: (p - 1)/(v·m + p - 1)."""
+        """The idle fraction of each stage's time: (p - 1)/(v·m + p - 1) in lockstep, where
+        F, B and W cost alike; ZB-H1's p - 1 idle slots of 3m + p - 1."""
+        if self.kind == "zb_h1":
+            return (self.stages - 1) / self.ticks
         return 1 - 1 / self.flops_ratio
 
     @property
+    def theory(self) -> str:
+        return "(p-1)/(3m+p-1)" if self.kind == "zb_h1" else "(p-1)/(v*m+p-1)"
+
+    @property
     def in_flight(self) -> int:
-        """Microbatches whose residuals the first stage keeps at once: all m under GPipe; in
-        1F1B's lockstep ticks a microbatch's backward reaches stage s 2(p - 1 - s) ticks after
-        its forward, so stage 0 keeps 2p - 1 (or m, if fewer)."""
+        """Passes whose residuals the first stage keeps at once: all m microbatches under
+        GPipe (v m chunk passes when circular); in 1F1B's lockstep ticks a microbatch's backward
+        reaches stage s 2(p - 1 - s) ticks after its forward, so stage 0 keeps 2p - 1 (or m,
+        if fewer); interleaved, 2 v p - 1 chunk passes, each 1/v of the stage's layers."""
+        p, m, v = self.stages, self.microbatches, self.repeats
         if self.kind == "1f1b":
-            return min(2 * self.stages - 1, self.microbatches)
-        return self.repeats * self.microbatches
+            return min(2 * p - 1, m) if v == 1 else 2 * p * v - 1
+        if self.kind == "zb_h1":  # from a stage's forward to its W (`zero_bubble.stage_order`)
+            return min(p, m)
+        return v * m
+
+    @property
+    def in_flight_unit(self) -> str:
+        return "microbatches" if self.repeats == 1 else "chunk passes"
 
     def feed(self) -> np.ndarray:
         """[n, p]: the microbatch stage s holds in input slot j (-1: none), n = ceil(m/p):
@@ -99,7 +123,7 @@ class Schedule:
         c = len(order) // (p * v)
         lines = [f"pipeline: {self.kind}, p={p} stages, m={self.microbatches} microbatches, "
                  f"v={v} repeats, {self.ticks} ticks, bubble {self.bubble:.1%} (theory "
-                 f"(p-1)/(v*m+p-1)), {self.in_flight} microbatches in flight"]
+                 f"{self.theory}), {self.in_flight} {self.in_flight_unit} in flight"]
         for s in range(p):
             chunks = []
             for r in range(v):
@@ -156,13 +180,15 @@ def rings(p: int) -> tuple[list, list]:
     return [(s, (s + 1) % p) for s in range(p)], [(s, (s - 1) % p) for s in range(p)]
 
 
-def next_input(x_in, belt, t, p: int):
-    """The input belt at tick t: every p ticks each stage puts its next microbatch (slot
-    t // p of its share of `x_in`[mb, n, ...]) on the belt, which moves one stage back per
-    tick, so stage 0 finds microbatch t there at tick t (as `Schedule.feed` lays them out)."""
+def next_input(x_in, belt, t, period: int):
+    """The input belt at tick t: every `period` ticks each stage puts its next microbatch (slot
+    t // period of its share of `x_in`[mb, n, ...]) on the belt, which moves one stage back per
+    tick, so stage 0 finds microbatch j p + s there at tick j period + s (`Schedule.feed` puts
+    it on stage s): at tick i with period p, as GPipe and 1F1B take them; interleaved 1F1B
+    takes p microbatches every p v ticks."""
     n = x_in.shape[1]
-    mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // p, n - 1), 1, keepdims=False)
-    return _select(t % p == 0, mine, belt)
+    mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // period, n - 1), 1, keepdims=False)
+    return _select(t % period == 0, mine, belt)
 
 
 def _varying(x) -> frozenset:
@@ -188,3 +214,38 @@ def _store_if(pred, buffer, slot, value, axis: int):
     old = jax.lax.dynamic_index_in_dim(buffer, slot, axis, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buffer, _select(pred, value, old), slot, axis)
 
+
+def split_residuals(vjp_fn, known):
+    """(residuals to stash, where): the vjp's leaves that are not one of `known`'s leaves (the
+    layer's weights and the RoPE tables: a residual that is one is the very same value), and
+    for each leaf the index of the known value it is (None: stashed)."""
+    index = {id(w): k for k, w in enumerate(jax.tree.leaves(known))}
+    leaves = jax.tree.leaves(vjp_fn)
+    where = tuple(index.get(id(leaf)) for leaf in leaves)
+    return [leaf for leaf, k in zip(leaves, where) if k is None], where
+
+
+def rebuild(treedef, where, stashed, known):
+    """The vjp function of a stashed forward, its known values put back."""
+    known, stashed = jax.tree.leaves(known), iter(stashed)
+    return jax.tree.unflatten(treedef, [next(stashed) if k is None else known[k] for k in where])
+
+
+def head_grads(loss, head, labels, y, i, last, manual):
+    """If `last` (the last virtual stage's forward): (loss, dloss/dy, dloss/dhead) of
+    microbatch i's output y (labels[m, ...]; `loss(head, y, labels)` its summed loss), else
+    zeros."""
+    m = labels.shape[0]
+    lab = jax.lax.dynamic_index_in_dim(labels, jnp.clip(i, 0, m - 1), 0, keepdims=False)
+    lab = _vary(jnp.where((i >= 0) & (i < m), lab, -1), manual)  # -1: not counted
+
+    def compute():
+        total, vjp_fn = jax.vjp(lambda h, y: loss(h, y, lab), head, y)
+        d_head, d_y = vjp_fn(jnp.ones_like(total))
+        return total, d_y, d_head
+
+    def skip():
+        return (jnp.zeros_like(y, jnp.float32, shape=()), jnp.zeros_like(y),
+                jax.tree.map(jnp.zeros_like, head))
+
+    return jax.lax.cond(last, compute, skip)

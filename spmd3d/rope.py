@@ -1,0 +1,48 @@
+"""Rotary position embeddings (RoPE), as transformers' LLaMA computes them, with LLaMA 3.1's
+rescaling."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .schema import ModelConfig
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The rotary frequencies [H/2] (fp32, numpy), computed as transformers' LLaMA does:
+    1 / theta^(2i/H), and with `rope_scaling = llama3` LLaMA 3.1's rescaling (wavelengths
+    longer than original_max_len / low_freq_factor slowed down by `rope_factor`, those shorter
+    than original_max_len / high_freq_factor kept, a linear blend in between)."""
+    h = cfg.dim_per_head
+    freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h)))
+    if cfg.rope_scaling == "llama3":
+        lo, hi, n = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+        wavelen = 2 * np.pi / freq
+        slow = np.where(wavelen > n / lo, freq / cfg.rope_factor, freq)
+        smooth = (n / wavelen - lo) / (hi - lo)
+        blend = (1 - smooth) * slow / cfg.rope_factor + smooth * slow
+        medium = ~(wavelen < n / hi) & ~(wavelen > n / lo)
+        freq = np.where(medium, blend, slow)
+    return freq.astype(np.float32)
+
+
+def rope_tables(positions_bt, freq):
+    """cos/sin [B, T, H/2] in fp32 for integer positions [B, T] and frequencies [H/2].
+
+    Static positions (numpy) give constant tables. Traced, XLA:CPU fuses cos and sin into
+    every consumer and evaluates them once per element of q and k, forward and backward.
+    """
+    xp = np if isinstance(positions_bt, np.ndarray) else jnp
+    angle = positions_bt.astype(xp.float32)[..., None] * freq
+    return xp.cos(angle), xp.sin(angle)
+
+
+def apply_rope(x, cos_bth, sin_bth):
+    """Rotate pairs (first half, second half) of the last dim of x[B, T, ..., H]."""
+    extra = x.ndim - 3  # head dims between T and H
+    cos = cos_bth.reshape(cos_bth.shape[:2] + (1,) * extra + cos_bth.shape[2:])
+    sin = sin_bth.reshape(sin_bth.shape[:2] + (1,) * extra + sin_bth.shape[2:])
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
