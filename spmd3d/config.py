@@ -225,8 +225,10 @@ def validate(cfg: Config) -> None:
     _need(par.pipeline_schedule != "zb_h1" or par.pipeline_repeats == 1,
           "parallel.pipeline_repeats", "zb_h1 runs one chunk per stage (the interleaved "
           "zero-bubble schedule, ZB-V, is another schedule); use 1f1b for interleaving")
-    # measured with jax 0.10.2 on XLA:CPU: ring attention inside the per-device conditional
-    # of a ZB-H1 slot gave a wrong loss (the same ops computed unconditionally were right)
+    # ring attention's ppermutes would run inside ZB-H1's per-stage conditional: XLA:CPU
+    # (jax 0.10.2) rendezvouses a collective-permute with every device of the program: one
+    # that a stage skips deadlocks (a 4-device repro), and the ZB-H1 step's loss came out
+    # wrong; all-reduces over tensor, grouped inside a stage, are right
     _need(par.pipeline_schedule != "zb_h1" or mesh.seq == 1, "parallel.pipeline_schedule",
           "zb_h1 does not run with ring attention (mesh.seq > 1) yet: use 1f1b")
     _need(par.zero3_gather in ("step", "tick"), "parallel.zero3_gather", "must be step or tick")
