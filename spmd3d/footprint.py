@@ -74,8 +74,8 @@ def state_terms(plan) -> dict:
 
 def working_terms(plan) -> dict:
     """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
-    collects, its belt and a circular GPipe's wrap-around slots) and of one piece of the
-    loss (its logits, softmax and one-hot, fp32)."""
+    collects, its belt, a circular GPipe's wrap-around slots and ZB-H1's inboxes) and of one
+    piece of the loss (its logits, softmax and one-hot, fp32)."""
     from .model import loss_chunks
 
     cfg, mesh = plan.cfg, plan.mesh.shape
@@ -88,7 +88,12 @@ def working_terms(plan) -> dict:
     if plan.schedule:
         slots = -(-micro // plan.schedule.stages)
         wrap = plan.schedule.repeats > 1 and plan.schedule.kind == "gpipe"  # circular GPipe
-        buffers = (2 * slots + 2 + (micro if wrap else 0)) * row * m.d_model
+        inboxes = 0
+        if plan.schedule.kind == "zb_h1":  # activations and cotangents waiting for their op
+            from .pipeline.zero_bubble import zb_h1_table
+
+            inboxes = 2 * zb_h1_table(plan.schedule.stages, micro)[1]
+        buffers = (2 * slots + 2 + inboxes + (micro if wrap else 0)) * row * m.d_model
         tokens = slots * row
     piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
     return {"pipeline_buffers": buffers * itemsize,

@@ -316,3 +316,29 @@ def test_1f1b_temporaries_do_not_grow_with_microbatches(repeats):
     gpipe = temps(4 * p, "gpipe") / temps(p, "gpipe")
     assert one_f_one_b < 1.02, one_f_one_b
     assert gpipe > (1.2 if repeats == 1 else 1.025), gpipe
+
+
+def test_zb_h1_never_copies_a_stash_or_the_gradient_stack():
+    """ZB-H1 passes only slot-sized values through its per-device conditional: XLA:CPU copies
+    every buffer a conditional inside a loop updates in place, which put a copy of every stash
+    buffer in each branch and in the slot loop (14 in each), run every slot. Stash-shaped
+    [stash slots, layers per stage, ...] copies may appear only in the entry computation
+    (the buffers' setup), never in a loop body or a branch."""
+    import re
+    from collections import Counter
+
+    from spmd3d.pipeline.zero_bubble import zb_h1_table
+
+    p, m = 4, 8
+    c = cfg(data=2, stage=p, micro=m, extra=WIDE + [
+        "model.num_layers=8", f"train.global_batch={2 * m}", "parallel.pipeline_schedule=zb_h1"])
+    text = runtime.setup(c, devices_for(c)).compile()[0].as_text()
+    slots, computation, copies = zb_h1_table(p, m)[2], None, Counter()
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            computation = "entry" if header.group(1) else header.group(2)
+        if re.search(rf"f32\[{slots},2,[\d,]+\]\{{[^}}]*\}} copy\(", line):
+            copies[computation] += 1
+    assert copies["entry"] > 0  # the pattern finds the stash buffers
+    assert set(copies) == {"entry"}, copies

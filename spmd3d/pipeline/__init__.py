@@ -249,3 +249,33 @@ def head_grads(loss, head, labels, y, i, last, manual):
                 jax.tree.map(jnp.zeros_like, head))
 
     return jax.lax.cond(last, compute, skip)
+
+
+def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str):
+    """What a schedule's per-stage function returns, its sums done: the stage's layer
+    gradients summed over the manual axes but the stage's (once, after the loop), the loss and
+    head gradients over all of them."""
+    others = tuple(a for a in manual if a != axis)
+    g_stack = jax.lax.psum(g_stack, others) if others else g_stack
+    return (jax.lax.psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
+            jax.lax.psum(g_head, manual), dx_out[None])
+
+
+def run_stages(per_stage, blocks, head, x_in, labels, consts, axis: str, mesh, batch_axis,
+               seq_axis):
+    """(summed loss, (block grads, head grads, input grads)): `per_stage(stack, head, x_in,
+    labels, consts)` in a shard_map manual over `axis` (and `batch_axis`, `seq_axis` where
+    given), each stage given its [L/p, ...] share of `blocks` in storage order and its share
+    of the x_in[p, mb, n, T, D] buffers; gradients cast back to the parameters' dtypes."""
+    from jax.sharding import PartitionSpec as P
+
+    p = mesh.shape[axis]
+    stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
+    manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
+    buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
+    total, g_stack, g_head, dx = jax.shard_map(
+        per_stage, mesh=mesh, axis_names=manual,
+        in_specs=(P(axis), P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
+        out_specs=(P(), P(axis), P(), buffer))(stacks, head, x_in, labels, consts)
+    g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
+    return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)

@@ -48,10 +48,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import (Schedule, _select, _store_if, _vary, _varying, head_grads, next_input, rebuild,
-               rings, split_residuals, unroll)
+               rings, run_stages, split_residuals, stage_results, unroll)
 
 
 def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mesh, *, layer,
@@ -69,7 +68,6 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
     fp32 accumulator: no copy of a chunk's weights or of its gradient is ever made."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     big, span = p * v, 2 * (p * v - 1)  # V virtual stages; a pass's forward-to-backward span
-    stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
     depth = jax.tree.leaves(blocks)[0].shape[0] // (p * v)  # layers per chunk
     ahead, back = rings(p)
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v * depth))
@@ -221,17 +219,10 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
         end = last_forward + big - 1
         carry = phase(carry, end, end + p - 1, False, False)
         _, _, _, _, _, dx_out, g_stack, g_head, total = carry
-        g_stack = jax.lax.psum(g_stack, others) if others else g_stack
-        return (jax.lax.psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-                jax.lax.psum(g_head, manual), dx_out[None])
+        return stage_results(g_stack, g_head, total, dx_out, manual, axis)
 
-    buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
-    total, g_stack, g_head, dx = jax.shard_map(
-        per_stage, mesh=mesh, axis_names=set(manual),
-        in_specs=(P(axis), P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
-        out_specs=(P(), P(axis), P(), buffer))(stacks, head, x_in, labels, consts)
-    g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
-    return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)
+    return run_stages(per_stage, blocks, head, x_in, labels, consts, axis, mesh,
+                      batch_axis, seq_axis)
 
 
 def loss_and_grads(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mesh, *,

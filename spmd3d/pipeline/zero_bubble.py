@@ -29,10 +29,9 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import (Schedule, _select, _store_if, _vary, _varying, head_grads, rebuild, rings,
-               split_residuals, unroll)
+               run_stages, split_residuals, stage_results, unroll)
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 
@@ -144,7 +143,6 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
     _, inbox_slots, stash_slots = zb_h1_table(p, m)
     tables = _tables(p, m)
     n_slots = int(tables[0].shape[0])
-    stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
     depth = jax.tree.leaves(blocks)[0].shape[0] // p
     ahead, back = rings(p)
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, depth))
@@ -224,61 +222,72 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
         taps_stash = ring(jax.tree.map(lambda z: jax.ShapeDtypeStruct((depth,) + z.shape, z.dtype),
                                        zeros))
 
-        def put(buffer, slot, value):
-            return jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, slot, 0),
-                                buffer, value)
-
         def get(buffer, slot):
             return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, False), buffer)
 
-        def op_forward(state, i, x):
-            inbox_x, inbox_ct, stash, inputs_stash, taps_stash, g_stack, g_head, total = state
-            x = _select(s == 0, x, get(inbox_x, i % inbox_slots))
-            y, (residuals, inputs) = forward(x)
-            slot = i % stash_slots
-            stash = put(stash, slot, [x] if stage_remat else residuals)
-            if not stage_remat:
-                inputs_stash = put(inputs_stash, slot, inputs)
-            l, dy, dh = head_grads(loss, head, labels, y, i, s == p - 1, manual)
-            inbox_ct = _store_if(s == p - 1, inbox_ct, i % inbox_slots, dy, 0)
-            state = (inbox_x, inbox_ct, stash, inputs_stash, taps_stash, g_stack,
-                     jax.tree.map(jnp.add, g_head, dh), total + l)
-            return state, y, jnp.zeros_like(y)
+        def put_if(pred, buffer, slot, value):
+            return jax.tree.map(lambda b, v: _store_if(pred, b, slot, v, 0), buffer, value)
 
-        def op_backward(state, i, x):
-            inbox_x, inbox_ct, stash, inputs_stash, taps_stash, g_stack, g_head, total = state
-            slot = i % stash_slots
-            residuals = get(stash, slot)
+        def nothing(buffer):  # zeros shaped (and varying) as one slot of `buffer`
+            return jax.tree.map(lambda b: jnp.zeros_like(b[0]), buffer)
+
+        # The operations see one slot of each buffer and return one slot's worth: the
+        # buffers are read before the switch and written after it. XLA:CPU copies every
+        # buffer a conditional inside a loop updates in place (a whole stash, or the stage's
+        # gradient, per slot), so none goes through the switch. Each returns (y to send
+        # ahead, dx to send back, residuals, projection inputs, taps' cotangents, gradient of
+        # the stage's layers, of the head, loss, the last stage's dloss/dy).
+        def result(y=None, dx=None, residuals=None, inputs=None, d_taps=None, d_stack=None,
+                   d_head=None, total=None, dy=None):
+            pick = lambda v, like: nothing(like) if v is None else v  # noqa: E731
+            return (pick(y, box_x), pick(dx, box_x), pick(residuals, stash),
+                    pick(inputs, inputs_stash), pick(d_taps, taps_stash),
+                    g_zero_fn() if d_stack is None else d_stack,
+                    jax.tree.map(jnp.zeros_like, g_head0) if d_head is None else d_head,
+                    jnp.zeros_like(total0) if total is None else total, pick(dy, box_x))
+
+        def op_forward(i, x, ct, held):
+            y, (residuals, inputs) = forward(x)
+            total, dy, d_head = head_grads(loss, head, labels, y, i, s == p - 1, manual)
+            return result(y=y, residuals=[x] if stage_remat else residuals,
+                          inputs=None if stage_remat else inputs, d_head=d_head, total=total,
+                          dy=dy)
+
+        def op_backward(i, x, ct, held):
+            residuals, inputs = held[0], None
             if stage_remat:  # the forward again, from the stage's input
                 _, (residuals, inputs) = forward(residuals[0])
-                inputs_stash = put(inputs_stash, slot, inputs)
-            dx, d_taps, g_stack = backward(get(inbox_ct, i % inbox_slots), residuals, g_stack)
-            taps_stash = put(taps_stash, slot, d_taps)
-            state = (inbox_x, inbox_ct, stash, inputs_stash, taps_stash, g_stack, g_head, total)
-            return state, jnp.zeros_like(dx), dx
+            dx, d_taps, d_stack = backward(ct, residuals, g_zero_fn())
+            return result(dx=dx, inputs=inputs, d_taps=d_taps, d_stack=d_stack)
 
-        def op_weight(state, i, x):
-            inbox_x, inbox_ct, stash, inputs_stash, taps_stash, g_stack, g_head, total = state
-            slot = i % stash_slots
-            g_stack = weight_grads(get(inputs_stash, slot), get(taps_stash, slot), g_stack)
-            state = (inbox_x, inbox_ct, stash, inputs_stash, taps_stash, g_stack, g_head, total)
-            return state, jnp.zeros_like(x), jnp.zeros_like(x)
+        def op_weight(i, x, ct, held):
+            return result(d_stack=weight_grads(held[1], held[2], g_zero_fn()))
 
-        def op_idle(state, i, x):
-            return state, jnp.zeros_like(x), jnp.zeros_like(x)
+        def op_idle(i, x, ct, held):
+            return result()
 
         kind_t, mb_t, got_x_t, got_ct_t, put_t, keep_t = tables
 
         def slot(carry, t):
-            state, belt, dbelt, dx_out = carry
-            kind, i = kind_t[t, s], mb_t[t, s]
+            buffers, belt, dbelt, dx_out = carry
+            inbox_x, inbox_ct, stash_, inputs_, taps_, g_stack, g_head, total = buffers
+            kind, i = kind_t[t, s], jnp.maximum(mb_t[t, s], 0)
+            at, box = i % stash_slots, i % inbox_slots
             j = put_t[t, s]  # this stage puts its microbatch j p + s on the input belt
             mine = jax.lax.dynamic_index_in_dim(x_in, jnp.maximum(j, 0), 1, keepdims=False)
             belt = _select(j >= 0, mine, belt)
-            state, y, dx = jax.lax.switch(kind, [op_idle, op_forward, op_backward, op_weight],
-                                          state, jnp.maximum(i, 0), belt)
+            x = _select(s == 0, belt, get(inbox_x, box))
+            held = (get(stash_, at), get(inputs_, at), get(taps_, at))
+            (y, dx, residuals, inputs, d_taps, d_stack, d_head, loss_i, dy) = jax.lax.switch(
+                kind, [op_idle, op_forward, op_backward, op_weight], i, x, get(inbox_ct, box),
+                held)
+            stash_ = put_if(kind == FORWARD, stash_, at, residuals)
+            inputs_ = put_if(kind == (BACKWARD if stage_remat else FORWARD), inputs_, at, inputs)
+            taps_ = put_if(kind == BACKWARD, taps_, at, d_taps)
+            g_stack = jax.tree.map(jnp.add, g_stack, d_stack)
+            g_head = jax.tree.map(jnp.add, g_head, d_head)
+            inbox_ct = _store_if((kind == FORWARD) & (s == p - 1), inbox_ct, box, dy, 0)
             y, ct = jax.lax.ppermute(y, axis, ahead), jax.lax.ppermute(dx, axis, back)
-            inbox_x, inbox_ct = state[0], state[1]
             got = got_x_t[t, s]
             inbox_x = _store_if(got >= 0, inbox_x, jnp.maximum(got, 0) % inbox_slots, y, 0)
             got = got_ct_t[t, s]
@@ -287,32 +296,27 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
             dbelt = _select((s == 0) & (kind == BACKWARD), dx, dbelt)
             keep = keep_t[t, s]
             dx_out = _store_if(keep >= 0, dx_out, jnp.maximum(keep, 0), dbelt, 1)
-            state = (inbox_x, inbox_ct) + state[2:]
-            return (state, jax.lax.ppermute(belt, axis, back),
+            buffers = (inbox_x, inbox_ct, stash_, inputs_, taps_, g_stack, g_head,
+                       total + loss_i)
+            return (buffers, jax.lax.ppermute(belt, axis, back),
                     jax.lax.ppermute(dbelt, axis, ahead), dx_out), None
 
-        box_x = jnp.zeros((inbox_slots,) + x0.shape, x0.dtype)
-        g_stack = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), stack)
-        small = (box_x, box_x, g_stack, jax.tree.map(jnp.zeros_like, head),
-                 jnp.zeros_like(x0, jnp.float32, shape=()), x0, x0, jnp.zeros_like(x_in))
-        box_x, box_ct, g_stack, g_head, total, belt, dbelt, dx_out = jax.tree.map(
-            lambda a: _vary(a, manual), small)
-        state = (box_x, box_ct, stash, inputs_stash, taps_stash, g_stack, g_head, total)
-        carry = (state, belt, dbelt, dx_out)
-        carry = jax.lax.scan(slot, carry, jnp.arange(n_slots), unroll=unroll())[0]
-        state, _, _, dx_out = carry
-        g_stack, g_head, total = state[5:]
-        g_stack = jax.lax.psum(g_stack, others) if others else g_stack
-        return (jax.lax.psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-                jax.lax.psum(g_head, manual), dx_out[None])
+        def g_zero_fn():
+            return jax.tree.map(lambda a: _vary(jnp.zeros_like(a, jnp.float32), manual), stack)
 
-    buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
-    total, g_stack, g_head, dx = jax.shard_map(
-        per_stage, mesh=mesh, axis_names=set(manual),
-        in_specs=(P(axis), P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
-        out_specs=(P(), P(axis), P(), buffer))(stacks, head, x_in, labels, consts)
-    g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
-    return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)
+        small = (jnp.zeros((inbox_slots,) + x0.shape, x0.dtype), g_zero_fn(),
+                 jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(x0, jnp.float32, shape=()),
+                 x0, x0, jnp.zeros_like(x_in))
+        box_x, g_zero, g_head0, total0, belt, dbelt, dx_out = jax.tree.map(
+            lambda a: _vary(a, manual), small)
+        buffers = (box_x, box_x, stash, inputs_stash, taps_stash, g_zero, g_head0, total0)
+        carry = jax.lax.scan(slot, (buffers, belt, dbelt, dx_out), jnp.arange(n_slots),
+                             unroll=unroll())[0]
+        buffers, _, _, dx_out = carry
+        return stage_results(*buffers[5:], dx_out, manual, axis)
+
+    return run_stages(per_stage, blocks, head, x_in, labels, consts, axis, mesh,
+                      batch_axis, seq_axis)
 
 
 def _add_at(grads, d_w, k, chosen):
