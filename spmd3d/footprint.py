@@ -32,10 +32,10 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
     """(the config to compile, the factor its `data` axis was cut by) for at most
     MAX_SIMULATED devices; bf16 compute becomes fp16 (see the module's docstring)."""
     m = cfg.model
-    # XLA:CPU has no cuDNN: an explicit cudnn kernel compiles as the blocked one
+    # XLA:CPU has no cuDNN: attention compiles as the blocked kernel (or the ring)
     model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
                     param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype,
-                    attention="blocked" if m.attention == "cudnn" else m.attention)
+                    attention="blocked")
     fixed = cfg.mesh.stage * cfg.mesh.tensor * cfg.mesh.seq
     data = devices // fixed
     cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED),

@@ -53,6 +53,12 @@ class Topology:
     # cores. A tuple of pairs, not a dict, so that a Topology (and a Plan holding it) hashes.
     peak_tflops: tuple
     simulated: bool = False  # devices are XLA:CPU host devices sharing one machine's cores
+    # The planner's step-time assumptions (`plan/estimate.py`), with defaults for a well-tuned
+    # GPU run; `plan --calibrate` takes them from a measured run instead.
+    matmul_efficiency: float = 0.7  # achieved share of peak FLOP/s in the layers' matmuls
+    attention_efficiency: float = 0.5  # ... in attention's score and value products
+    link_efficiency: float = 0.8  # achieved share of a link's bandwidth by a collective
+    overlapped: tuple = ("data",)  # mesh axes whose collectives hide behind compute
 
     @property
     def num_devices(self) -> int:
@@ -80,7 +86,8 @@ def load_topology(name: str, platform: str = "cpu") -> Topology:
         raise ConfigError("mesh.topology", f"no topology {name!r} in meshes/ (known: {known})")
     data = yaml.safe_load(path.read_text())
     try:
-        return Topology(**{**data, "peak_tflops": tuple(sorted(data["peak_tflops"].items()))})
+        return Topology(**{**data, "peak_tflops": tuple(sorted(data["peak_tflops"].items())),
+                           "overlapped": tuple(data.get("overlapped", ("data",)))})
     except (TypeError, KeyError, AttributeError) as e:
         raise ConfigError("mesh.topology", f"{path.name}: {e}") from None
 

@@ -4,6 +4,7 @@ config on its cluster, and with `--compile` what its step needs per device (`foo
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from .. import cli
 from ..mesh import load_topology
@@ -27,6 +28,7 @@ COMMAND = cli.Command(
 
 def _run(args: cli.Args) -> int:
     from .. import footprint
+    from . import estimate
 
     cfg = args.load_config()
     topology = load_topology(cfg.mesh.topology, "gpu")  # planning is for the cluster
@@ -37,13 +39,25 @@ def _run(args: cli.Args) -> int:
     print(plan.describe(), flush=True)
     record = {"config": args.config, "plan": {"mesh": dict(plan.mesh.shape),
                                               "devices": plan.num_devices}}
+    compiled = None
     if args.flags.get("--compile"):
         from ..api import simulate
 
-        _, cut = footprint.compiled_layout(plan.cfg, plan.num_devices)
+        compile_cfg, cut = footprint.compiled_layout(plan.cfg, plan.num_devices)
         simulate(plan.num_devices // cut)
         record.update(footprint.measure(plan.cfg, topology))
-    lines = footprint.format_report(record) if "compiled" in record else []
+        # the analytic figures of what was compiled (its dtype stand-in and kernel) to compare
+        compiled_plan = Plan.resolve(replace(compile_cfg, mesh=plan.cfg.mesh,
+                                             train=plan.cfg.train), topology=topology)
+        record["estimate_of_compiled"] = estimate.estimate(compiled_plan)
+        compiled = record
+    record["estimate"] = estimate.estimate(plan)  # after any compile: it may trace shapes
+    lines = footprint.format_report(record) if compiled else []
+    lines += estimate.format_estimate(record["estimate"], plan)
+    if compiled:
+        lines += ["the compiled step's own analytic figures (its compiled dtype and kernel)"]
+        lines += estimate.format_estimate(record["estimate_of_compiled"], compiled_plan,
+                                          compiled)[:4]
     return cli.report("\n".join(lines), record, bool(args.flags.get("--json")))
 
 

@@ -1,0 +1,94 @@
+"""The planner's analytic side against the compiled one: shapes and state exactly, memory at
+real widths (d_model 1024, a 32k vocabulary, 1024-token sequences) within 5 %."""
+
+import pytest
+
+from helpers import small_config
+from spmd3d import config, footprint
+from spmd3d.mesh import load_topology
+from spmd3d.model import abstract_model
+from spmd3d.plan import Plan
+from spmd3d.plan import estimate
+from spmd3d.store import flat
+
+TOPOLOGY = load_topology("h100x8")
+
+STATE_LAYOUTS = [
+    dict(data=8, zero=0), dict(data=4, tensor=2, zero=1), dict(data=2, tensor=4, zero=2, sp=True),
+    dict(data=2, stage=2, tensor=2, zero=3, micro=2),
+    # three stages of four layers: the stored stack is padded to six slots
+    dict(data=2, stage=3, zero=1, micro=4, extra=["model.num_layers=4"]),
+    dict(data=2, seq=2, tensor=2, zero=3)]
+
+
+@pytest.mark.parametrize("layout", STATE_LAYOUTS)
+def test_state_bytes_are_exactly_the_shardings(layout):
+    """Parameters, optimizer state and gradients per device by arithmetic equal what the
+    real shardings hold, for every ZeRO stage, tensor and sequence split and a padded stack."""
+    plan = Plan.resolve(small_config(**layout), topology=TOPOLOGY)
+    assert estimate.state_bytes(plan) == footprint.state_terms(plan)
+    # and the shapes the arithmetic starts from are the model's (canonical: unpadded)
+    _, params = abstract_model(plan.cfg.model)
+    shapes = estimate.param_shapes(plan.cfg.model, plan.cfg.model.num_layers)
+    model = {k: (tuple(v.shape), tuple(v.get_metadata("axes"))) for k, v in
+             flat(params, is_leaf=lambda x: hasattr(x, "get_metadata")).items()}
+    assert model == shapes
+
+
+WIDE = ["model.num_layers=4", "model.d_model=1024", "model.num_heads=16", "model.num_kv_heads=4",
+        "model.d_ff=2816", "model.vocab_size=32000", "model.dtype=bfloat16", "train.seq_len=1024",
+        "mesh.simulated_devices=0", "mesh.topology=h100x8"]
+# ZeRO 0-3, tensor with and without SP, GPipe (with stage remat, circular), 1F1B, gradient
+# accumulation, ring attention, and every remat policy
+MEMORY_LAYOUTS = {
+    "zero0, remat none": "mesh.data=8 mesh.tensor=1 parallel.zero_stage=0 train.global_batch=16",
+    "zero1, remat full": "mesh.data=8 mesh.tensor=1 parallel.remat=full train.global_batch=16",
+    "tensor 2, zero2, save_dots": "mesh.data=4 mesh.tensor=2 parallel.zero_stage=2 "
+                                  "parallel.remat=save_dots train.global_batch=8",
+    "gpipe, tensor 2 SP, remat stage": "mesh.data=2 mesh.stage=2 mesh.tensor=2 "
+                                       "parallel.sequence_parallel=true parallel.remat=stage "
+                                       "train.global_batch=8 train.microbatches=4",
+    "1f1b, 4 stages, remat full": "mesh.data=2 mesh.stage=4 mesh.tensor=1 parallel.remat=full "
+                                  "parallel.pipeline_schedule=1f1b train.global_batch=16 "
+                                  "train.microbatches=8",
+    "ring over seq 4": "mesh.data=2 mesh.tensor=1 mesh.seq=4 train.global_batch=4",
+    "tensor 2 SP, seq 2, zero3, save_dots": "mesh.data=2 mesh.tensor=2 mesh.seq=2 "
+                                            "parallel.sequence_parallel=true parallel.zero_stage=3 "
+                                            "parallel.remat=save_dots train.global_batch=4",
+    "circular gpipe": "mesh.data=4 mesh.stage=2 mesh.tensor=1 parallel.pipeline_repeats=2 "
+                      "parallel.remat=stage train.global_batch=16 train.microbatches=4",
+    "4 accumulated, zero2": "mesh.data=8 mesh.tensor=1 parallel.zero_stage=2 "
+                            "train.global_batch=32 train.microbatches=4",
+}
+
+
+@pytest.mark.parametrize("name", MEMORY_LAYOUTS)
+def test_analytic_memory_is_the_compiled_within_5_percent(name):
+    cfg = config.load(None, WIDE + MEMORY_LAYOUTS[name].split())
+    compiled = footprint.measure(cfg, TOPOLOGY)
+    plan = Plan.resolve(footprint.compiled_layout(cfg, 8)[0], topology=TOPOLOGY)
+    assert plan.attention in ("blocked", "ring")  # what XLA:CPU compiles
+    mem = estimate.memory(plan)
+    assert mem["argument_bytes"] == pytest.approx(compiled["compiled"]["argument_bytes"], rel=1e-3)
+    assert mem["needed_bytes"] == pytest.approx(compiled["needed_bytes"], rel=0.05), (
+        mem["temp_bytes"] / 1e6, compiled["compiled"]["temp_bytes"] / 1e6)
+
+
+def test_estimate_runs_without_devices_for_a_16k_gpu_layout():
+    """LLaMA-3 405B on 16,384 H100s: memory, FLOPs, collectives and step time from the
+    topology alone, and the model FLOPs equal 6 N per token plus causal attention."""
+    from pathlib import Path
+
+    from spmd3d.metrics import flops_per_token
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = config.load(str(root / "configs" / "llama3_405b.yaml"),
+                      ["mesh.data=-1", "train.global_batch=2048", "train.microbatches=16"])
+    plan = Plan.resolve(cfg, topology="h100_16k")
+    e = estimate.estimate(plan)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    assert e["flops"]["model"] * plan.num_devices == pytest.approx(
+        flops_per_token(plan.cfg.model, cfg.train.seq_len) * tokens)
+    assert 0 < e["time"]["mfu"] < 1 and e["time"]["step_s"] > e["time"]["compute_s"]
+    assert e["collectives"]["result"]["seq"] == 0  # no ring in this layout
+    assert e["memory"]["needed_bytes"] < 80e9
