@@ -8,8 +8,8 @@ Memory per device, by kind:
 * parameters, optimizer state (Adam's two moments), gradients (fp32): each parameter's shard
   under its ZeRO table (`param_shapes` mirrors `model.Transformer`; a test holds them equal);
 * saved activations: what the backward keeps per layer under the remat policy (`layer_saved`,
-  itemised below) times the layer passes alive at the peak (`passes_alive`: one microbatch
-  without a pipeline, the schedule's in-flight passes with one), plus the working set of the
+  itemised below) times the layer passes alive at the peak (`activation_bytes`: one
+  microbatch without a pipeline, the schedule's ticks or stash with one), plus the working set of the
   one layer whose backward runs (`layer_working`);
 * pipeline buffers, logits/loss and the layers ZeRO-3 gathers for a pipelined step: as
   `footprint.working_terms` counts them for the compiled report (shared code).
@@ -199,15 +199,17 @@ def memory(plan) -> dict:
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.kind != "gpipe"
                                                           else 0)
     loss, layer = kinds["logits_loss"], kinds["layer_working"]
+    kinds["w_stash"] = 0
     if s is not None and s.kind == "zb_h1":
         # each device's branch of the per-stage switch has buffers of its own: the head's
         # forward (F) and backward (B) each hold a loss piece, and the W stash waits
-        kinds["w_stash"] = int(s.in_flight * activation_bytes(plan)["w_stash_per_pass"])
+        kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
         peak = 2 * loss + layer + kinds["w_stash"]
     elif s is not None and s.kind == "1f1b":  # a tick runs a forward (the head's too) and a backward
         peak = loss + layer
     else:
         peak = max(loss, layer)
+    del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["head_gradients"] + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
