@@ -235,6 +235,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
     colls = hlo.summary(hlo.collectives(compiled.as_text(), job.mesh.shape))
     return {
         "config": name,
+        "cfg": config_lib.to_dict(cfg),  # the whole config: `plan --calibrate` replans it
         "mesh": dict(job.mesh.shape),
         "devices": n_dev,
         "device_kind": jax.devices()[0].device_kind,

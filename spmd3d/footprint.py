@@ -72,61 +72,17 @@ def state_terms(plan) -> dict:
                                                           plan.mesh))}
 
 
-def working_terms(plan) -> dict:
-    """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
-    collects, its belt, a circular GPipe's wrap-around slots and ZB-H1's inboxes) and of one
-    piece of the loss (its logits, softmax and one-hot, fp32)."""
-    from .model import loss_chunks
-
-    cfg, mesh = plan.cfg, plan.mesh.shape
-    t, m = cfg.train, cfg.model
-    micro = plan.schedule.microbatches if plan.schedule else plan.accum_steps
-    rows = t.global_batch // micro // mesh["data"]
-    row = rows * t.seq_len // mesh["seq"]  # tokens of one microbatch on a device
-    itemsize = 2 if m.dtype in ("bfloat16", "float16") else 4
-    buffers, tokens = 0, row
-    if plan.schedule:
-        slots = -(-micro // plan.schedule.stages)
-        wrap = plan.schedule.repeats > 1 and plan.schedule.kind == "gpipe"  # circular GPipe
-        inboxes = 0
-        if plan.schedule.kind == "zb_h1":  # activations and cotangents waiting for their op
-            from .pipeline.zero_bubble import zb_h1_table
-
-            inboxes = 2 * zb_h1_table(plan.schedule.stages, micro)[1]
-        buffers = (2 * slots + 2 + inboxes + (micro if wrap else 0)) * row * m.d_model
-        tokens = slots * row
-    piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
-    return {"pipeline_buffers": buffers * itemsize,
-            "logits_loss": 3 * piece * m.vocab_size // mesh["tensor"] * 4,
-            "gathered_layers": _gathered_layers(plan)}
-
-
 TEMPORARY_KINDS = ("gradients", "pipeline_buffers", "logits_loss", "gathered_layers")
 
 
 def by_kind(plan, temp_bytes: int, state: dict | None = None) -> dict:
     """Per-device bytes by kind: the state terms, the working terms, and saved activations
     (and transients): the temporaries the other kinds leave."""
+    from .plan.memory import working_terms
+
     kinds = {**(state or state_terms(plan)), **working_terms(plan)}
     kinds["saved_activations"] = max(temp_bytes - sum(kinds[k] for k in TEMPORARY_KINDS), 0)
     return kinds
-
-
-def _gathered_layers(plan) -> int:
-    """ZeRO-3 with a pipeline (`parallel.zero3_gather=step`): the stage's layers gathered over
-    data for the step, and their fp32 gradient accumulator."""
-    import jax
-
-    from .sharding import shardings_for
-    from .step import state_shardings
-
-    if not (plan.schedule and plan.rules.params_over_batch
-            and plan.cfg.parallel.zero3_gather == "step"):
-        return 0
-    blocks = state_shardings(plan)[1].params["blocks"]
-    whole = shardings_for(blocks, plan.rules.compute, plan.mesh)
-    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, "float32"), blocks)
-    return shard_bytes(blocks, whole) + shard_bytes(grads, whole)
 
 
 def measure(cfg: Config, topology) -> dict:

@@ -7,6 +7,7 @@ nodes; `tensor` and `seq` vary fastest, so neighbouring devices, the ones on NVL
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,11 +85,27 @@ def load_topology(name: str, platform: str = "cpu") -> Topology:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in MESH_DIR.glob("*.yaml")))
         raise ConfigError("mesh.topology", f"no topology {name!r} in meshes/ (known: {known})")
-    data = yaml.safe_load(path.read_text())
     try:
-        return Topology(**{**data, "peak_tflops": tuple(sorted(data["peak_tflops"].items())),
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError("mesh.topology", f"cannot read {path} ({str(e).splitlines()[0]})") from None
+    fields = {f.name: f for f in dataclasses.fields(Topology)}
+    if not isinstance(data, dict):
+        raise ConfigError("mesh.topology", f"{path.name} must hold a mapping of fields")
+    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data]
+    unknown = [n for n in data if n not in fields]
+    if missing or unknown:
+        raise ConfigError("mesh.topology", f"{path.name}: " + "; ".join(
+            ([f"lacks {', '.join(missing)}"] if missing else [])
+            + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    peaks = data["peak_tflops"]
+    if not isinstance(peaks, dict) or "float32" not in peaks:
+        raise ConfigError("mesh.topology", f"{path.name}: peak_tflops must map dtypes to "
+                                           "TFLOP/s, float32 among them")
+    try:
+        return Topology(**{**data, "peak_tflops": tuple(sorted(peaks.items())),
                            "overlapped": tuple(data.get("overlapped", ("data",)))})
-    except (TypeError, KeyError, AttributeError) as e:
+    except (TypeError, AttributeError) as e:
         raise ConfigError("mesh.topology", f"{path.name}: {e}") from None
 
 

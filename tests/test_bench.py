@@ -84,6 +84,10 @@ def test_main_json_last_line(capsys):
                 "memory", "peak_bytes", "collectives"):
         assert key in r
     assert r["config"] == "default" and r["tokens_per_s"] > 0
+    # the whole config as it ran (dtype and mesh resolved), which `plan --calibrate` replans
+    ran, asked = config_lib.load(base=r["cfg"]), config_lib.load(None, TINY)
+    assert ran.model.dtype == r["dtype"] and ran.mesh.sizes() == r["mesh"]
+    assert (ran.train, ran.parallel, ran.model.d_model) == (asked.train, asked.parallel, 64)
     assert any(line.startswith("bench default") for line in out[:-1])  # the human report
 
 

@@ -9,6 +9,9 @@ from spmd3d.mesh import load_topology
 from spmd3d.model import abstract_model
 from spmd3d.plan import Plan
 from spmd3d.plan import estimate
+from spmd3d.plan import memory as plan_memory
+from spmd3d.sharding import shardings_for
+from spmd3d.step import state_shardings
 from spmd3d.store import flat
 
 TOPOLOGY = load_topology("h100x8")
@@ -26,13 +29,19 @@ def test_state_bytes_are_exactly_the_shardings(layout):
     """Parameters, optimizer state and gradients per device by arithmetic equal what the
     real shardings hold, for every ZeRO stage, tensor and sequence split and a padded stack."""
     plan = Plan.resolve(small_config(**layout), topology=TOPOLOGY)
-    assert estimate.state_bytes(plan) == footprint.state_terms(plan)
+    assert plan_memory.state_bytes(plan) == footprint.state_terms(plan)
     # and the shapes the arithmetic starts from are the model's (canonical: unpadded)
     _, params = abstract_model(plan.cfg.model)
-    shapes = estimate.param_shapes(plan.cfg.model, plan.cfg.model.num_layers)
+    shapes = plan_memory.param_shapes(plan.cfg.model, plan.cfg.model.num_layers)
     model = {k: (tuple(v.shape), tuple(v.get_metadata("axes"))) for k, v in
              flat(params, is_leaf=lambda x: hasattr(x, "get_metadata")).items()}
     assert model == shapes
+    # ZeRO-3 under a pipeline gathers each stage's layers (the compute shard) for the step
+    blocks = state_shardings(plan)[1].params["blocks"]
+    whole = footprint.shard_bytes(blocks, shardings_for(blocks, plan.rules.compute, plan.mesh))
+    expected = whole * (1 + 4 // blocks["mlp"]["w_down"].dtype.itemsize)  # and fp32 gradients
+    assert plan_memory.gathered_layers(plan) == (expected if plan.schedule and
+                                              plan.rules.params_over_batch else 0)
 
 
 WIDE = ["model.num_layers=4", "model.d_model=1024", "model.num_heads=16", "model.num_kv_heads=4",
@@ -68,7 +77,7 @@ def test_analytic_memory_is_the_compiled_within_5_percent(name):
     compiled = footprint.measure(cfg, TOPOLOGY)
     plan = Plan.resolve(footprint.compiled_layout(cfg, 8)[0], topology=TOPOLOGY)
     assert plan.attention in ("blocked", "ring")  # what XLA:CPU compiles
-    mem = estimate.memory(plan)
+    mem = plan_memory.memory(plan)
     assert mem["argument_bytes"] == pytest.approx(compiled["compiled"]["argument_bytes"], rel=1e-3)
     assert mem["needed_bytes"] == pytest.approx(compiled["needed_bytes"], rel=0.05), (
         mem["temp_bytes"] / 1e6, compiled["compiled"]["temp_bytes"] / 1e6)
