@@ -75,6 +75,42 @@ def test_profile_categories():
         "dot.1": "matmuls", "add_fusion": "other", "while.2": "other"}
 
 
+def test_profile_of_a_gpu_trace(tmp_path):
+    """A GPU trace (as jax 0.11 writes one on an H100): kernels on the device's streams, most
+    launched from CUDA graphs that name no instruction, are summed by kernel name and sorted
+    by it; an instruction the step names keeps its own entry; host events do not count."""
+    import gzip
+
+    meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+            for p, n in ((1, "/host:CPU"), (2, "/device:GPU:0"))]
+
+    def kernel(name, op, ms):
+        return {"ph": "X", "pid": 2, "tid": 14, "name": name, "dur": ms * 1e3,
+                "args": {"hlo_op": op, "hlo_module": "jit_train_step"}}
+
+    events = meta + [
+        {"ph": "X", "pid": 1, "tid": 1, "name": "block_until_ready", "dur": 9e6},
+        kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "command_buffer_90", 30),
+        kernel("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32", "command_buffer_61", 20),
+        kernel("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "command_buffer_90", 10),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "command_buffer_90", 6),
+        kernel("loop_add_fusion_1", "command_buffer_61", 4),
+        kernel("loop_add_subtract_fusion", "add_fusion", 8),
+        kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "command_buffer_10", 30)]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    hlo_text = "  %add_fusion = f32[4]{0} fusion(%r), kind=kLoop, calls=%d\n"
+    p = profile.summarize(path, hlo_text, steps=2)
+    assert p["device"] and p["op_seconds_per_step"] == pytest.approx(0.054)
+    assert p["by_category"] == pytest.approx(
+        {"matmuls": 0.040, "attention": 0.005, "collectives": 0.003, "other": 0.006})
+    assert [(op["name"][:6], op["opcode"]) for op in p["top"]] == [
+        ("nvjet_", "kernel"), ("sm90_x", "kernel"), ("cudnn_", "kernel"),
+        ("add_fu", "fusion"), ("ncclDe", "kernel"), ("loop_a", "kernel")]
+    assert "summed over device streams" in "\n".join(profile.format_summary(p))
+
+
 def test_main_json_last_line(capsys):
     assert main(TINY + ["--steps=2", "--warmup=1", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -4,6 +4,8 @@
 test_context and test_pipeline. Here: the arithmetic against a direct reference, and what it
 saves in the compiled step.)"""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from flax import nnx
 from helpers import devices_for, small_config
 from spmd3d import hlo, runtime
 from spmd3d.config import ModelConfig
-from spmd3d.model import Transformer, loss_chunks
+from spmd3d.model import Transformer, head_logits, loss_chunks
 
 
 @pytest.mark.parametrize("tokens,chunk,want", [
@@ -92,3 +94,35 @@ def test_logits_exist_one_piece_at_a_time():
     assert {x.trips for x in colls if x.axes == ("tensor",)} == {8}, colls
     over_data = [x for x in colls if "data" in x.axes]
     assert over_data and all(x.trips == 1 for x in over_data), colls
+
+
+def _dot_operand_types(fn, *args) -> list[tuple[str, str]]:
+    """The element types of every matmul's two operands in the lowered gradient of `fn`."""
+    text = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(*args).as_text()
+    return re.findall(r"dot_general.*: \(tensor<[0-9x]*x(\w+)>, tensor<[0-9x]*x(\w+)>\)", text)
+
+
+def test_head_backward_runs_in_the_compute_dtype():
+    """fp32 compute: `head_logits`' gradients are autodiff's exactly. bf16: within bf16
+    rounding of autodiff's, and every matmul of the backward takes bf16 operands, where
+    autodiff's fp32 cotangent upcasts the [D, V] weights and runs both in fp32."""
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(64, 32)), rng.normal(size=(32, 96)) / 6
+
+    def autodiff(x, w):
+        return jnp.einsum("nd,dv->nv", x, w, preferred_element_type=jnp.float32)
+
+    def loss(logits_fn):  # a loss whose cotangent is not a constant
+        return lambda x, w: jnp.sum(jax.nn.logsumexp(logits_fn(x, w), axis=-1) ** 2)
+
+    for dtype, rtol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        args = (jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+        ours = jax.grad(loss(head_logits), argnums=(0, 1))(*args)
+        ref = jax.grad(loss(autodiff), argnums=(0, 1))(*args)
+        for a, b in zip(ours, ref):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b), dtype
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
+    ours, ref = (_dot_operand_types(loss(f), *args) for f in (head_logits, autodiff))
+    assert len(ours) == 3 and set(ours) == {("bf16", "bf16")}, ours
+    assert ref.count(("f32", "f32")) == 2, ref  # what it replaces: both upcast to fp32

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
+# and -3B shapes), the fused attention against the blocked one, a profile's top ops, and the
+# planner calibrated on the 1B run then asked to predict the 3B one.
+#
+#   launch/bench_gpu.sh [OUTDIR]       (default runs/bench_gpu; PYTHON=... to pick the interpreter)
+#
+# Runs from a checkout without installing it (PYTHONPATH), so a machine that already has jax with
+# its CUDA plugin, flax, optax and orbax needs nothing else. Each record is OUTDIR/NAME.json (the
+# last line of `bench --json`), each log OUTDIR/NAME.log.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-runs/bench_gpu}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+"$py" -c "import sys, jax, flax, optax, orbax.checkpoint as o; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv || true
+
+bench() {  # NAME CONFIG [args...]: one bench run, bounded, its record and log under $out
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "${BENCH_TIMEOUT:-300}" "$py" -m spmd3d.bench "$@" --json > "$out/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  tail -n 1 "$out/$name.log" > "$out/$name.json"
+  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|collectives)" \
+    "$out/$name.log" || tail -n 5 "$out/$name.log"
+}
+
+bench gpu_1b configs/gpu_1b.yaml --steps=10 --attention --profile="$out/trace_1b"
+bench gpu_3b configs/gpu_3b.yaml --steps=10
+rm -rf "$out/trace_1b"  # the summary is in the record; the trace itself is large
+
+for name in gpu_1b gpu_3b; do
+  echo "== plan $name, calibrated on gpu_1b"
+  "$py" -m spmd3d.plan "configs/$name.yaml" --calibrate="$out/gpu_1b.json" > "$out/plan_$name.txt" 2>&1
+  cat "$out/plan_$name.txt"
+done
