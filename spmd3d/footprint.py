@@ -2,10 +2,13 @@
 
 `measure(cfg)` compiles the real step for the config's real device count on simulated CPU
 devices, from abstract shapes (nothing is allocated), and reads `memory_analysis()` and the HLO.
-Two departures from the real run, each stated in the report:
+Three departures from the real run, each stated in the report:
 
 * bf16 compute is compiled as fp16, a 2-byte stand-in: XLA:CPU computes bf16 in fp32 and hoists
   the conversions, which would inflate the temporaries of a bf16 step;
+* layers are compiled scanned (`parallel.scan_layers`): XLA:CPU schedules unrolled layers with
+  no regard to memory (LLaMA-3.2-1B shape, one device: 198.7 GB unrolled, 46.7 GB scanned,
+  against 41.8 GB that XLA:GPU compiled unrolled on an H100);
 * above `MAX_SIMULATED` devices (what XLA:CPU can simulate), the `data` axis is cut (with the
   global batch, so a data shard keeps its rows), and the terms that shard over `data` (the
   ZeRO-sharded state, and gradients under ZeRO-2/3) are scaled back to the real axis.
@@ -45,7 +48,8 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
                                   f"{MAX_SIMULATED} that XLA:CPU can simulate for --compile")
     mesh = replace(cfg.mesh, data=data // cut, simulated_devices=0)
     train = replace(cfg.train, global_batch=cfg.train.global_batch // cut)
-    return replace(cfg, model=model, mesh=mesh, train=train), cut
+    parallel = replace(cfg.parallel, scan_layers=True)
+    return replace(cfg, model=model, mesh=mesh, train=train, parallel=parallel), cut
 
 
 def shard_bytes(tree, shardings) -> int:
@@ -117,6 +121,7 @@ def measure(cfg: Config, topology) -> dict:
         "devices": n, "simulated_devices": n // cut, "data_cut": cut,
         "mesh": dict(real.mesh.shape), "compiled_mesh": dict(plan.mesh.shape),
         "dtype": real.cfg.model.dtype, "compiled_dtype": plan.cfg.model.dtype,
+        "scanned_for_compile": not real.cfg.parallel.scan_layers,
         "topology": topology.name, "device_memory_bytes": int(topology.device_memory_gb * 1e9),
         "compile_s": seconds, "compiled": compiled_rec, "by_kind": kinds,
         "needed_bytes": compiled_rec["argument_bytes"] + compiled_rec["temp_bytes"],
@@ -137,6 +142,9 @@ def format_report(r: dict) -> list[str]:
     if r["compiled_dtype"] != r["dtype"]:
         lines.append(f"  {r['dtype']} compiled as {r['compiled_dtype']}, a 2-byte stand-in "
                      "(XLA:CPU would compute bf16 in fp32 and inflate the temporaries)")
+    if r.get("scanned_for_compile"):
+        lines.append("  layers compiled scanned, not unrolled: XLA:CPU schedules unrolled layers "
+                     "with no regard to memory (a GPU's compiler does)")
     if r["data_cut"] > 1:
         lines.append(f"  compiled with data {r['compiled_mesh']['data']} (not "
                      f"{r['mesh']['data']}: XLA:CPU simulates at most {MAX_SIMULATED} devices) and "

@@ -147,6 +147,17 @@ def test_a_chosen_optimization_level_is_kept(cuda):
     assert environ["JAX_OPTIMIZATION_LEVEL"] == "O0" and "O0 (yours" in lines[0]
 
 
+@pytest.mark.parametrize("theirs,want", [
+    ({}, "0.90"), ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, "0.5"),
+    ({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, None)])
+def test_the_allocator_takes_most_of_the_gpu_unless_chosen(cuda, theirs, want):
+    """jax's default, 75 %, leaves 20 of an H100's 80 GB unused; the user's choice is kept."""
+    environ = dict(theirs)
+    lines = gpu.apply(config_lib.load(), environ, probe=lambda tokens, env: set())
+    assert environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == want
+    assert ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.90" in lines[0]) == (not theirs), lines[0]
+
+
 def test_an_imported_jax_gets_the_level_in_its_config(monkeypatch):
     monkeypatch.setattr(gpu, "cuda_plugin_installed", lambda: True)
     updates = []

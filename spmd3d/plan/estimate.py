@@ -204,4 +204,7 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"{topo.matmul_efficiency:.0%} of peak in matmuls, {topo.attention_efficiency:.0%} in "
         f"attention, {topo.link_efficiency:.0%} of link bandwidth)",
     ]
+    if not plan.cfg.parallel.scan_layers and plan.cfg.parallel.remat != "none":
+        lines.insert(4, "  (layers unrolled: XLA's schedule of unrolled layers keeps more than "
+                        "remat's arithmetic; LLaMA-3.2-3B, remat full, one H100: 72.2 GB)")
     return lines
