@@ -47,8 +47,8 @@ def test_state_bytes_are_exactly_the_shardings(layout):
 WIDE = ["model.num_layers=4", "model.d_model=1024", "model.num_heads=16", "model.num_kv_heads=4",
         "model.d_ff=2816", "model.vocab_size=32000", "model.dtype=bfloat16", "train.seq_len=1024",
         "mesh.simulated_devices=0", "mesh.topology=h100x8"]
-# ZeRO 0-3, tensor with and without SP, GPipe (with stage remat, circular), 1F1B, gradient
-# accumulation, ring attention, and every remat policy
+# ZeRO 0-3, tensor 2 and 4 with and without SP, GPipe (with stage remat, circular), 1F1B and
+# interleaved 1F1B, gradient accumulation, ring attention, and every remat policy
 MEMORY_LAYOUTS = {
     "zero0, remat none": "mesh.data=8 mesh.tensor=1 parallel.zero_stage=0 train.global_batch=16",
     "zero1, remat full": "mesh.data=8 mesh.tensor=1 parallel.remat=full train.global_batch=16",
@@ -68,6 +68,11 @@ MEMORY_LAYOUTS = {
                       "parallel.remat=stage train.global_batch=16 train.microbatches=4",
     "4 accumulated, zero2": "mesh.data=8 mesh.tensor=1 parallel.zero_stage=2 "
                             "train.global_batch=32 train.microbatches=4",
+    "tensor 4 SP, zero1": "mesh.data=2 mesh.tensor=4 parallel.sequence_parallel=true "
+                          "parallel.zero_stage=1 train.global_batch=4",
+    "interleaved 1f1b, tensor 2": "mesh.data=2 mesh.stage=2 mesh.tensor=2 "
+                                  "parallel.pipeline_schedule=1f1b parallel.pipeline_repeats=2 "
+                                  "parallel.remat=full train.global_batch=8 train.microbatches=4",
 }
 
 
