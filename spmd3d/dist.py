@@ -212,19 +212,38 @@ class Watchdog:
         self.seen: dict[int, tuple[str, float]] = {}  # peer -> (last value, when it changed)
         self.errors_since: float | None = None
         self.exiting = threading.Event()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
         import atexit
 
-        # At exit jax's shutdown (registered earlier, so it runs after this) waits for every
-        # process and then closes the coordination service: keep watching peers through that
-        # wait, but a service that goes away is then the normal end, not a lost coordinator.
-        atexit.register(self.exiting.set)
-        threading.Thread(target=self._run, name="spmd3d-watchdog", daemon=True).start()
+        atexit.register(self.at_exit)  # runs before jax's shutdown (registered at its import)
+        self.thread = threading.Thread(target=self._run, name="spmd3d-watchdog", daemon=True)
+        self.thread.start()
+
+    def at_exit(self, shutdown=None) -> None:
+        """jax's shutdown waits for every process and then closes the coordination service:
+        run it here (jax's own exit hook then finds it done), still watching peers through
+        that wait, so a peer lost at the end is named (a service that goes away is then the
+        normal end, not a lost coordinator). Then stop the thread and wait for it: a daemon
+        thread still inside the client's C++ call when the interpreter finalizes is ended
+        there by a forced unwind, which aborted a finished run ('FATAL: exception not
+        rethrown')."""
+        self.exiting.set()
+        try:
+            if shutdown is None:
+                import jax
+
+                shutdown = jax.distributed.shutdown
+            shutdown()
+        finally:
+            self.stopped.set()
+            if self.thread is not None:
+                self.thread.join(timeout=max(10.0, 4 * self.interval))
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self.stopped.wait(self.interval):
             verdict = self.poll()
             if verdict:
                 c = self.cluster

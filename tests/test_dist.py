@@ -330,6 +330,37 @@ def test_watchdog_reports_a_lost_coordinator_but_not_at_the_normal_end():
     assert dogs[1].poll() is None
 
 
+def test_watchdog_thread_ends_at_exit_before_the_interpreter_finalizes(monkeypatch):
+    """At exit jax's shutdown runs while the thread still watches (a peer lost at the end is
+    named), then the thread stops and is joined, so it is never inside a client call when
+    the interpreter finalizes (a daemon thread there is ended by a forced unwind through the
+    client's C++ code: a finished run aborted)."""
+    import atexit
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    calls = []
+
+    class SlowKV(FakeKV):  # a call in flight when the exit comes
+        def key_value_dir_get(self, prefix):
+            calls.append(time.monotonic())
+            time.sleep(0.3)
+            return super().key_value_dir_get(prefix)
+
+    dog = Watchdog(SlowKV(), Cluster("h:1", 2, 0, "config"), timeout=1.0)
+    dog.start()
+    assert registered == [dog.at_exit] and dog.thread.is_alive()
+    while not calls:
+        time.sleep(0.01)
+    shutdowns = []
+    dog.at_exit(shutdown=lambda: shutdowns.append(dog.thread.is_alive()))
+    assert shutdowns == [True]  # jax's shutdown ran while the thread still watched
+    assert not dog.thread.is_alive() and dog.exiting.is_set()  # then it was stopped, joined
+    n = len(calls)
+    time.sleep(3 * dog.interval)
+    assert len(calls) == n  # no beat after the exit
+
+
 # -------------------------------------------------------------------- per-process batch rows
 
 def test_each_device_reads_its_own_rows_when_a_hosts_rows_are_not_contiguous():
