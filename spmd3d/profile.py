@@ -73,15 +73,17 @@ def summarize(path: str | Path, hlo_text: str, steps: int, top: int = 8) -> dict
     known = instructions(hlo_text)
     per_op = Counter()
     kernels = _device_kernels(events)
-    for e in kernels:  # a GPU: per instruction where one launched it, else per kernel
-        op = e["args"]["hlo_op"]
-        name = op if op in known and known[op][0] not in _CONTAINERS else e["name"]
-        per_op[name] += e.get("dur", 0) * 1e-6 / steps
-    for e in [] if kernels else events:  # XLA:CPU: events named after instructions
-        name = e.get("name")
-        if e.get("ph") == "X" and name in known and known[name][0] not in _CONTAINERS:
+    if kernels:  # a GPU: per instruction where one launched it, else per kernel name
+        for e in kernels:
+            op = e["args"]["hlo_op"]
+            name = op if op in known and known[op][0] not in _CONTAINERS else e["name"]
             per_op[name] += e.get("dur", 0) * 1e-6 / steps
-    known = {n: known.get(n, ("kernel", "")) for n in per_op}
+    else:  # XLA:CPU: events named after instructions
+        for e in events:
+            name = e.get("name")
+            if e.get("ph") == "X" and name in known and known[name][0] not in _CONTAINERS:
+                per_op[name] += e.get("dur", 0) * 1e-6 / steps
+    known = {n: known.get(n, ("kernel", "")) for n in per_op}  # a kernel no instruction names
     total = sum(per_op.values())
     by_category = Counter()
     for name, seconds in per_op.items():

@@ -106,3 +106,19 @@ def test_estimate_runs_without_devices_for_a_16k_gpu_layout():
     assert 0 < e["time"]["mfu"] < 1 and e["time"]["step_s"] > e["time"]["compute_s"]
     assert e["collectives"]["result"]["seq"] == 0  # no ring in this layout
     assert e["memory"]["needed_bytes"] < 80e9
+
+
+def test_unrolled_layers_compile_scanned_and_the_estimate_says_they_keep_more():
+    """`plan --compile` compiles layers scanned (XLA:CPU's schedule of unrolled layers ignores
+    memory); the analytic report warns that unrolled layers under remat keep more
+    than its arithmetic, and says nothing when layers are scanned or nothing is recomputed."""
+    def lines(*extra):
+        cfg = config.load(None, WIDE + ["mesh.data=8", "train.global_batch=16", *extra])
+        plan = Plan.resolve(cfg, topology=TOPOLOGY)
+        return "\n".join(estimate.format_estimate(estimate.estimate(plan), plan)), cfg
+
+    text, cfg = lines("parallel.scan_layers=false", "parallel.remat=full")
+    assert "layers unrolled" in text
+    assert footprint.compiled_layout(cfg, 8)[0].parallel.scan_layers is True
+    assert "layers unrolled" not in lines("parallel.remat=full")[0]
+    assert "layers unrolled" not in lines("parallel.scan_layers=false", "parallel.remat=none")[0]

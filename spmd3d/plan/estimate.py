@@ -191,6 +191,9 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"{topo.name}" + ("" if compiled is None else
                           f"   compiled {_gb(compiled['needed_bytes'])} (analytic/compiled "
                           f"{mem['needed_bytes'] / compiled['needed_bytes']:.3f})"),
+        *(["  (layers unrolled: XLA's schedule of unrolled layers keeps more than remat's "
+           "arithmetic; LLaMA-3.2-3B, remat full, one H100: 72.2 GB)"]
+          if not plan.cfg.parallel.scan_layers and plan.cfg.parallel.remat != "none" else []),
         "analytic, per step per device",
         f"  FLOPs       {e['flops']['model'] / 1e12:,.1f} T model, "
         f"{(e['flops']['matmul'] + e['flops']['attention']) / 1e12:,.1f} T executed "
@@ -204,7 +207,4 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"{topo.matmul_efficiency:.0%} of peak in matmuls, {topo.attention_efficiency:.0%} in "
         f"attention, {topo.link_efficiency:.0%} of link bandwidth)",
     ]
-    if not plan.cfg.parallel.scan_layers and plan.cfg.parallel.remat != "none":
-        lines.insert(4, "  (layers unrolled: XLA's schedule of unrolled layers keeps more than "
-                        "remat's arithmetic; LLaMA-3.2-3B, remat full, one H100: 72.2 GB)")
     return lines
