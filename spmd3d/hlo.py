@@ -2,7 +2,8 @@
 
 Tests assert on these numbers because, unlike timings, they do not depend on machine load.
 Collectives inside a `while` body (the layer scan, microbatch loop) appear once in the text;
-each record names its computation so a caller can weight loop bodies by their trip counts.
+each record carries the trip counts of the loops around it, through conditional branches and
+calls (a branch is counted as if taken: what the device that takes it moves).
 """
 
 from __future__ import annotations
@@ -106,11 +107,16 @@ def _axes_of(groups, kind: str, mesh_shape: dict) -> tuple:
 
 
 _WHILE = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
+# computations run once where they are called: a conditional's branches, a call's body
+_CALLED = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)"
+                     r"|false_computation=%?([\w.\-]+)|\bcall\(.*?to_apply=%?([\w.\-]+))")
 
 
 def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
     """Every collective op of an HLO module text (`compiled.as_text()`), with its loop trips."""
-    out, comp, loops = [], "?", {}  # loops: body -> (computation holding the while, trip count)
+    # loops: a while body, a branch or a called computation -> (the computation holding the
+    # op, the times it runs per run of that computation)
+    out, comp, loops = [], "?", {}
     for line in hlo_text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)
         c = _COMP.match(line)
@@ -120,6 +126,9 @@ def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
         w = _WHILE.search(line)
         if w:
             loops[w.group(1)] = (comp, int(w.group(2)))
+        for called in _CALLED.findall(line):
+            for name in re.findall(r"[\w.\-]+", ",".join(called).replace("%", "")):
+                loops.setdefault(name, (comp, 1))
         m = _OP.match(line)
         if m:
             kind = m.group("kind")
@@ -165,3 +174,20 @@ def memory(compiled) -> dict:
         "total_bytes": int(ma.argument_size_in_bytes + ma.output_size_in_bytes
                            + ma.temp_size_in_bytes - ma.alias_size_in_bytes),
     }
+
+
+def bytes_per_axis(colls: list[Collective], mesh_shape: dict) -> dict:
+    """{mesh axis: bytes per device per call}, counted the same whatever kind of collective
+    XLA chose: a reduction by the bytes it reduces (a reduce-scatter's input, an all-reduce's
+    result), a gather by the bytes it gathers (its result), a permute or all-to-all by those
+    it moves (its result); loop trips included, and an operation over several axes counted on
+    each (what a hierarchical algorithm moves over each). So an all-reduce followed by a
+    slice, or a reduce-scatter, or one reduction over two axes, or one over each, count alike:
+    `plan.estimate.transfers` is compared with these."""
+    out = {a: 0.0 for a in mesh_shape}
+    for c in colls:
+        group = int(np.prod([mesh_shape[a] for a in c.axes])) if c.axes else 1
+        nbytes = c.bytes * (group if c.kind == "reduce-scatter" else 1) * c.trips
+        for a in c.axes:
+            out[a] += nbytes
+    return out

@@ -91,3 +91,35 @@ def test_unrolled_layers_run_the_same_tensor_collectives_without_a_loop():
     tensor = lambda colls: {k: n for k, n in hlo.bytes_by_axes(colls).items()  # noqa: E731
                             if k[1] == ("tensor",)}
     assert tensor(flat_colls) == tensor(loop_colls) != {}
+
+
+def test_collectives_in_a_branch_run_with_the_loop_and_count_per_axis_alike():
+    """A collective inside a conditional's branch, in a loop body, runs once per trip of the
+    loop (as if its branch were taken); `bytes_per_axis` counts a reduce-scatter by its input,
+    an all-reduce by its result and one over two axes on each of them."""
+    text = """
+HloModule m
+
+%branch (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
+}
+
+%body (c: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %x = f32[8]{0} get-tuple-element(%c), index=1
+  %k = f32[8]{0} conditional(%pred, %x, %x), branch_computations={%branch, %other}
+  %rs = f32[4]{0} reduce-scatter(%x), replica_groups={{0,2},{1,3}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %both = f32[8]{0} all-reduce(%a), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+"""
+    mesh = {"data": 2, "stage": 1, "tensor": 2, "seq": 1}
+    colls = hlo.collectives(text, mesh)
+    assert [(c.kind, c.axes, c.trips) for c in colls] == [
+        ("all-reduce", ("tensor",), 3), ("reduce-scatter", ("data",), 3),
+        ("all-reduce", ("data", "tensor"), 1)]
+    assert hlo.bytes_per_axis(colls, mesh) == {"data": 3 * 32 + 32, "stage": 0,
+                                               "tensor": 3 * 32 + 32, "seq": 0}
