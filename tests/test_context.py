@@ -83,3 +83,15 @@ def test_zigzag_ring_computes_about_half_the_blocks():
         # the ring's forward alone: its output's FLOPs exclude any backward
         ratio = ring / (n * block)
         assert abs(ratio - (n + 1) / (2 * n)) < 0.05, (n, ratio)
+
+
+def test_a_pipeline_with_the_ring_reduces_layer_gradients_over_seq_once():
+    """GPipe with ring attention: the layers' gradients cross `seq` once, after the tick loop,
+    not once per tick and layer (the weights turn seq-varying before the loop); inside the
+    loop `seq` carries the ring's shifts alone."""
+    c = cfg(**LAYOUTS["dp2_pp2_seq2_zero1"])
+    job = runtime.setup(c, devices_for(c))
+    colls = hlo.collectives(job.compile()[0].as_text(), job.mesh.shape)
+    over_seq = [x for x in colls if "seq" in x.axes]
+    assert all(x.trips == 1 for x in over_seq if x.kind != "collective-permute"), over_seq
+    assert any(x.kind == "collective-permute" and x.trips > 1 for x in over_seq)
