@@ -120,3 +120,19 @@ def test_initialized_state_lives_where_the_rules_say(zero):
     assert (w_qkv.sharding.spec[1] == "data") == (zero == 3)  # embed over data only in ZeRO-3
     mu = flat(state)["opt/mu/blocks/mlp/w_down"]
     assert mu.sharding.spec == P("stage", "tensor", "data" if zero >= 1 else None)
+
+
+def test_zero1_accumulating_keeps_its_gradients_sharded_and_gathers_once():
+    """ZeRO-1 over 4 accumulated microbatches: the accumulator is sharded over data (as
+    ZeRO-2's), each microbatch's gradients are reduced in the loop and the updated parameters
+    gathered once, after it (with a replicated accumulator XLA gathered it every microbatch)."""
+    from spmd3d import hlo, runtime
+    from spmd3d.plan import Plan
+
+    c = small_config(data=8, zero=1, micro=4, extra=("train.global_batch=32",))
+    plan = Plan.resolve(c, devices_for(c))
+    assert plan.rules.grads["embed"] is not None and plan.rules.params["embed"] is None
+    job = runtime.setup(c, devices_for(c))
+    colls = hlo.collectives(job.compile()[0].as_text(), job.mesh.shape)
+    gathers = [x for x in colls if x.kind == "all-gather" and x.axes == ("data",)]
+    assert gathers and all(x.trips == 1 for x in gathers if x.bytes > 4096), gathers
