@@ -117,6 +117,7 @@ def measure(cfg: Config, topology) -> dict:
     kinds = by_kind(plan, compiled_rec["temp_bytes"], terms_real)
     colls = hlo.collectives(compiled.as_text(), plan.mesh.shape)
     counts, nbytes = hlo.summary(colls), hlo.bytes_by_axes(colls)
+    per_axis = hlo.bytes_per_axis(colls, dict(plan.mesh.shape))
     return {
         "devices": n, "simulated_devices": n // cut, "data_cut": cut,
         "mesh": dict(real.mesh.shape), "compiled_mesh": dict(plan.mesh.shape),
@@ -127,6 +128,8 @@ def measure(cfg: Config, topology) -> dict:
         "needed_bytes": compiled_rec["argument_bytes"] + compiled_rec["temp_bytes"],
         "collectives": [{"kind": k, "axes": list(a), "count": c, "bytes": nbytes[(k, a)]}
                         for (k, a), c in sorted(counts.items())],
+        # as the planner counts them (`hlo.bytes_per_axis`); `data` as compiled (cut or not)
+        "collective_bytes_per_axis": per_axis,
     }
 
 

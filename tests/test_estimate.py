@@ -1,5 +1,8 @@
-"""The planner's analytic side against the compiled one: shapes and state exactly, memory at
-real widths (d_model 1024, a 32k vocabulary, 1024-token sequences) within 5 %."""
+"""The planner's analytic side against the compiled one: shapes and state exactly, memory and
+collective bytes per mesh axis at real widths (d_model 1024, a 32k vocabulary, 1024-token
+sequences) within 5 %."""
+
+import functools
 
 import pytest
 
@@ -76,16 +79,38 @@ MEMORY_LAYOUTS = {
 }
 
 
+@functools.cache
+def compiled_layout(name):
+    """(`footprint.measure`'s record, the compiled layout's plan): one compile per layout for
+    the memory and the collectives tests."""
+    cfg = config.load(None, WIDE + MEMORY_LAYOUTS[name].split())
+    return (footprint.measure(cfg, TOPOLOGY),
+            Plan.resolve(footprint.compiled_layout(cfg, 8)[0], topology=TOPOLOGY))
+
+
 @pytest.mark.parametrize("name", MEMORY_LAYOUTS)
 def test_analytic_memory_is_the_compiled_within_5_percent(name):
-    cfg = config.load(None, WIDE + MEMORY_LAYOUTS[name].split())
-    compiled = footprint.measure(cfg, TOPOLOGY)
-    plan = Plan.resolve(footprint.compiled_layout(cfg, 8)[0], topology=TOPOLOGY)
+    compiled, plan = compiled_layout(name)
     assert plan.attention in ("blocked", "ring")  # what XLA:CPU compiles
     mem = plan_memory.memory(plan)
     assert mem["argument_bytes"] == pytest.approx(compiled["compiled"]["argument_bytes"], rel=1e-3)
     assert mem["needed_bytes"] == pytest.approx(compiled["needed_bytes"], rel=0.05), (
         mem["temp_bytes"] / 1e6, compiled["compiled"]["temp_bytes"] / 1e6)
+
+
+@pytest.mark.parametrize("name", MEMORY_LAYOUTS)
+def test_analytic_collectives_are_the_compiled_within_5_percent(name):
+    """Bytes per mesh axis by arithmetic against the compiled step's HLO, counted alike
+    whatever kind of collective XLA chose (`hlo.bytes_per_axis`): gradients reduced in the
+    dtype they cross in, once per accumulated microbatch, over data, seq and (embedding and
+    head) stage; ZeRO gathers; the tensor group's activations per layer pass, recompute
+    included; ring shifts; pipeline shifts per tick."""
+    compiled, plan = compiled_layout(name)
+    got = compiled["collective_bytes_per_axis"]
+    analytic = estimate.collectives(plan)["result"]
+    assert {a for a in got if got[a]} == {a for a in analytic if analytic[a]}
+    for axis in got:
+        assert analytic[axis] == pytest.approx(got[axis], rel=0.05), (axis, analytic, got)
 
 
 def test_estimate_runs_without_devices_for_a_16k_gpu_layout():

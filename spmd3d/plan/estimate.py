@@ -9,7 +9,8 @@ compiled side; `plan --compile` prints both.
 
 from __future__ import annotations
 
-from .memory import Widths, _keys_per_query, itemsize, memory, state_bytes, tokens_per_pass
+from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
+                     state_bytes, tokens_per_pass)
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,61 +68,159 @@ def _crosses_nodes(plan) -> dict:
     return {a: o > 1 for a, o in zip(AXES, outer)}
 
 
-def collectives(plan) -> dict:
-    """{mesh axis: bytes per device per step} of the collectives' results, as the compiled
-    HLO counts them (an all-reduce or all-gather of S bytes: S; a reduce-scatter: S / n)
-    and {mesh axis: bytes each device sends}, which is what takes time (ring algorithms:
-    an all-reduce sends 2 S (n-1)/n, a gather or scatter S (n-1)/n, a permute S)."""
+# a ring algorithm's bytes sent per device, per byte counted (k: the devices of the group)
+_SENT = {"reduce": lambda k: 2 * (k - 1) / k, "reduce-scatter": lambda k: (k - 1) / k,
+         "gather": lambda k: (k - 1) / k, "all-to-all": lambda k: (k - 1) / k,
+         "permute": lambda k: 1.0}
+
+
+def transfers(plan) -> list[tuple[str, str, tuple, float]]:
+    """Every collective of the plan's step as (what, kind, mesh axes, bytes per device per
+    step), counted as `hlo.bytes_per_axis` counts the compiled ones: a reduction by the bytes
+    it reduces, a gather by those it gathers, a permute or all-to-all by those it moves.
+    Mirrors what the step compiles to (read from the HLO of the layouts `tests/test_estimate.py`
+    compiles): the dtypes each value crosses in, where XLA reuses a value instead of moving it
+    again, and a one-trip loop inlined with its last, unused shift removed."""
     cfg, s, mesh = plan.cfg, plan.schedule, dict(plan.mesh.shape)
-    m, par = cfg.model, cfg.parallel
+    m, par, rules = cfg.model, cfg.parallel, plan.rules
+    d, p, t, q = mesh["data"], mesh["stage"], mesh["tensor"], mesh["seq"]
     c, w, n = itemsize(m.dtype), Widths.of(plan), tokens_per_pass(plan)
+    pb, sp = itemsize(m.param_dtype), par.sequence_parallel and t > 1
+    remat = "full" if par.remat == "stage" else par.remat  # the per-layer policy
     micro = s.microbatches if s else plan.accum_steps
-    layers = len(plan.layer_order) // (s.stages if s else 1)
-    forwards = 1 + redone(plan) + (1 if par.remat == "stage" and s is None else 0)
-    ticks = (s.ticks if s.kind == "gpipe" else s.microbatches * s.repeats) if s else micro
-    passes = ticks * (s.repeats if s and s.kind == "gpipe" else 1) if s else micro
-    result, sent = {a: 0.0 for a in mesh}, {a: 0.0 for a in mesh}
+    stored = len(plan.layer_order) // (s.stages if s else 1)  # layers stored on a device
+    chunk = stored // (s.repeats if s else 1)
+    rows_split = ("data", "stage") if s else ("data",)  # what splits the embedding's rows
+    tokens = cfg.train.global_batch * cfg.train.seq_len // (d * q * (p if s else 1))
+    items = []
 
-    def add(axis, kind, nbytes, times=1):
-        k = mesh[axis]
-        if k == 1:
-            return
-        result[axis] += times * (nbytes / k if kind == "reduce-scatter" else nbytes)
-        sent[axis] += times * nbytes * (2 if kind == "all-reduce" else 1) * (
-            1 if kind == "permute" else (k - 1) / k)
+    def add(what, kind, axes, nbytes, times=1):
+        axes = tuple(a for a in axes if mesh[a] > 1)
+        if axes and nbytes and times:
+            items.append((what, kind, axes, float(nbytes) * times))
 
-    chunk_passes = passes * layers // (s.repeats if s else 1) if s else micro * layers
-    # tensor: two row-parallel outputs reduced per layer forward, two input gradients per
-    # backward (under SP a gather and a scatter each: the same traffic)
-    act = c * m.d_model * n
-    add("tensor", "all-reduce", act, 2 * (forwards + 1) * chunk_passes)
-    add("tensor", "all-reduce", act, 2 * micro)  # the embedding's lookup, and its gradient
-    # seq: the ring passes keys and values around in the forward, and with their gradients
-    # (fp32) back in the backward
-    kv = c * 2 * w.kv * n
-    add("seq", "permute", kv * (mesh["seq"] - 1), (forwards + 3) * chunk_passes)
-    # stage: each tick hands an activation ahead and a cotangent back
-    if s is not None:
-        add("stage", "permute", 2 * act / (mesh["tensor"] if par.sequence_parallel else 1),
-            s.ticks)
-    # data: the gradients reduced once per step (ZeRO-0/1; ZeRO-2/3 once per accumulated
-    # microbatch), the updated parameters gathered back (ZeRO-1/2), the weights gathered per
-    # use (ZeRO-3: each pass of each microbatch; with a pipeline once per step, or three
-    # times per tick under `zero3_gather=tick`)
-    state = state_bytes(plan)
-    sharded = plan.rules.grads["embed"] is not None
-    if sharded:
-        add("data", "reduce-scatter", state["gradients"] * mesh["data"], plan.accum_steps)
+    # layer passes a device runs: forward and backward (lockstep schedules compute at every
+    # tick, bubbles included; ZB-H1 only at its F and B slots)
+    if s is None:
+        fwd = bwd = micro * stored
+    elif s.kind == "gpipe":
+        fwd = bwd = s.ticks * chunk
+    elif s.kind == "1f1b":
+        fwd = bwd = (s.repeats * s.microbatches + s.stages - 1) * chunk
     else:
-        add("data", "all-reduce", state["gradients"])
-    if plan.rules.opt["embed"] is not None and plan.rules.params["embed"] is None:
-        add("data", "all-gather", state["parameters"])
-    if plan.rules.params["embed"] is not None:
-        weights = state["parameters"] * mesh["data"] * c // itemsize(m.param_dtype)
-        gathers = ((forwards + 1) * plan.accum_steps if s is None else
-                   1 if par.zero3_gather == "step" else 3 * s.ticks)
-        add("data", "all-gather", weights, gathers)
-    return {"result": result, "sent": sent}
+        fwd = bwd = s.microbatches * chunk
+    # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
+    restage = bwd * (redone(plan) - (1 if remat == "full" else 0))
+
+    # tensor: per layer two row-parallel outputs reduced and two input gradients (under SP
+    # each a gather and a reduce-scatter: four and four); full remat's recompute skips the
+    # layer's last reduction (its output is not needed), save_dots under SP gathers the norms'
+    # outputs again
+    act = n * m.d_model * c
+    f = 4 if sp else 2
+    again = {"none": 0, "save_dots": f - 2, "full": f - 1}[remat]
+    add("layers' activations", "reduce", ("tensor",), act, (fwd + restage) * f + bwd * (f + again))
+    # the embedding's lookup (psum of its vocab shards, in the parameters' dtype) and the head's
+    # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
+    # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
+    head_tokens = tokens
+    if s is not None and s.kind != "gpipe":
+        steady = (s.repeats * s.microbatches + s.stages - s.repeats * s.stages
+                  if s.kind == "1f1b" else s.microbatches)
+        head_tokens = n * steady
+    add("embedding lookup", "reduce", ("tensor",), tokens * m.d_model * pb)
+    add("head input gradient", "reduce", ("tensor",), head_tokens * m.d_model * F32)
+    if sp:
+        add("final norm gathered", "gather", ("tensor",), head_tokens * m.d_model * c)
+        add("embedding cotangent gathered", "gather", ("tensor",), tokens * m.d_model * F32)
+
+    # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
+    # shift is the backward's), and K, V with their fp32 gradients n times in the backward;
+    # with n = 2 the one-step loops are inlined and their last shifts of K and V dropped
+    kv = n * w.kv * c
+    if q > 1:
+        shifts = (q if q > 2 else 1) * fwd + (q - 1 if q > 2 else 0) * (fwd * redone(plan))
+        add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - (q == 2)) * bwd)
+        add("ring dK, dV", "permute", ("seq",), 2 * n * w.kv * F32, q * bwd)
+
+    # stage: GPipe shifts the activation ahead and the belt (two slots) back each tick, and
+    # the same back in the backward; 1F1B per tick the activation ahead and the belt back
+    # (forward ticks), the cotangent back (backward ticks) and the input-gradient belt ahead
+    # (every tick); ZB-H1 four per slot
+    if s is not None:
+        res = act / (t if sp else 1)
+        if s.kind == "gpipe":
+            moves = 6 * s.ticks
+        elif s.kind == "1f1b":
+            edge = s.repeats * s.stages - 1  # warm-up and cool-down ticks
+            moves = 3 * edge + 4 * (s.ticks - 2 * edge) + 2 * edge + (s.stages - 1)
+            moves -= (edge == 1) + (s.stages == 2)  # one-tick phases' unused last shifts
+        else:
+            moves = 4 * s.ticks
+        add("pipeline shifts", "permute", ("stage",), res, moves)
+
+    # gradients: reduced over what splits the tokens (data, seq; the embedding and head also
+    # over stage, their rows split over it), once per accumulated microbatch (a pipeline's
+    # step is one). Layers in the compute dtype (the cast before each matmul), or fp32
+    # in a pipeline (the shard_map sums its fp32 weights' cotangent); the embedding in fp32;
+    # the head in the compute dtype (`model.head_logits`), or fp32 summed inside 1F1B/ZB-H1
+    shapes = param_shapes(m, len(plan.layer_order))
+    sharded = rules.grads["embed"] is not None and d > 1
+    times = plan.accum_steps  # XLA reduces inside the accumulation loop, ZeRO-0 too
+
+    def size(keys, table):
+        return sum(shard_size(*shapes[k], table, mesh) for k in keys)
+
+    blocks = [k for k in shapes if k.startswith("blocks/")]
+    matmuls = [k for k in blocks if "norm" not in k]
+    norms = [k for k in blocks if "norm" in k]
+    layer_bytes = (size(matmuls, rules.compute) * (F32 if s else c)
+                   + size(norms, rules.compute) * F32)
+    add("layer gradients", "reduce-scatter" if sharded else "reduce", ("data",), layer_bytes,
+        times)
+    # over seq after data when the gradients are sharded: the data shard only
+    add("layer gradients", "reduce", ("seq",), layer_bytes / (d if sharded else 1), times)
+    head_dtype = F32 if s is not None and s.kind != "gpipe" else c
+    add("head gradient", "reduce", rows_split + ("seq",),
+        size(["head"], rules.compute) * head_dtype + m.d_model * F32, times)
+    embed = size(["embed"], rules.compute) * F32
+    if sharded and t == 1:  # a plain lookup: XLA moves the tokens' cotangents, not the table
+        add("embedding cotangents", "all-to-all", ("data",), n * m.d_model * F32,
+            plan.accum_steps)
+        add("embedding ids", "gather", ("data",), n * d * 4, plan.accum_steps)
+        add("embedding gradient", "reduce", rows_split[1:] + ("seq",), embed, times)
+    else:
+        add("embedding gradient", "reduce", rows_split + ("seq",), embed, times)
+
+    # parameters (fp32) gathered over data: ZeRO-1/2 once, after the update; ZeRO-3 the
+    # layers before each use (forward, backward; a recompute reuses the backward's) and the
+    # embedding and head once, or with a pipeline the stage's layers once per step
+    state = state_bytes(plan)
+    if rules.opt["embed"] is not None and rules.params["embed"] is None:
+        add("updated parameters", "gather", ("data",), state["parameters"])
+    if rules.params["embed"] is not None:
+        whole = size(blocks, rules.compute) * pb
+        uses = (1 if s is not None and par.zero3_gather == "step" else
+                3 * s.ticks if s is not None else 2 * plan.accum_steps)
+        add("layers gathered (ZeRO-3)", "gather", ("data",), whole, uses)
+        add("embedding and head gathered (ZeRO-3)", "gather", ("data",),
+            size(["embed", "head", "final_norm/scale"], rules.compute) * pb)
+    return items
+
+
+def collectives(plan) -> dict:
+    """{"result": {mesh axis: bytes per device per step}, counted as `transfers` counts them
+    (an operation over several axes counts on each), "sent": {mesh axis: bytes each device
+    sends} (ring algorithms: a reduction 2 S (n-1)/n, a reduce-scatter, gather or all-to-all
+    S (n-1)/n, a permute S), which is what takes time, and "items": `transfers`}."""
+    mesh = dict(plan.mesh.shape)
+    items = transfers(plan)
+    result, sent = {a: 0.0 for a in mesh}, {a: 0.0 for a in mesh}
+    for _, kind, axes, nbytes in items:
+        for a in axes:
+            result[a] += nbytes
+            sent[a] += nbytes * _SENT[kind](mesh[a])
+    return {"result": result, "sent": sent, "items": items}
 
 
 def step_time(plan, flop: dict | None = None, comm: dict | None = None) -> dict:
@@ -163,6 +262,15 @@ def estimate(plan) -> dict:
             "bubble": plan.schedule.bubble if plan.schedule else 0.0}
 
 
+def _versus_compiled(e: dict, compiled: dict, axis: str) -> str:
+    """The compiled step's bytes over `axis` beside the analytic, where comparable (the
+    compiled `data` axis is the real one unless XLA:CPU's device limit cut it)."""
+    got = compiled.get("collective_bytes_per_axis", {}).get(axis)
+    if not got or (axis == "data" and compiled.get("data_cut", 1) > 1):
+        return ""
+    return f" [compiled {got / 1e9:.2f} GB, {e['collectives']['result'][axis] / got:.3f}]"
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -201,6 +309,7 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         "  collectives " + ", ".join(
             f"{a} {e['collectives']['result'][a] / 1e9:.2f} GB ({t['comm_s'][a]:.3f} s"
             f"{', hidden' if a in topo.overlapped else ''})"
+            + ("" if compiled is None else _versus_compiled(e, compiled, a))
             for a in e["collectives"]["result"] if e["collectives"]["result"][a]),
         f"  step time   {t['step_s']:.3f} s: compute {t['compute_s']:.3f} s, exposed "
         f"communication {t['exposed_comm_s']:.3f} s; MFU {t['mfu']:.1%} (assumes "
