@@ -121,7 +121,7 @@ def _run(args: cli.Args) -> int:
     if compiled:
         lines += ["the compiled step's own analytic figures (its compiled dtype and kernel)"]
         lines += estimate.format_estimate(record["estimate_of_compiled"], compiled_plan,
-                                          compiled)[:4]
+                                          compiled)
     cli.report("\n".join(lines), record, bool(args.flags.get("--json")))
     needed = (compiled or record["estimate"]["memory"])["needed_bytes"]
     if needed > topology.device_memory_gb * 1e9:

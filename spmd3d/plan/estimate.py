@@ -276,8 +276,9 @@ def _gb(n: float) -> str:
 
 
 def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
-    """The estimate as the report's lines; given `footprint.measure`'s record, the compiled
-    figures beside the analytic ones with their ratio."""
+    """The estimate as the report's lines; given `footprint.measure`'s record, only the lines
+    that have compiled figures (memory, collectives), those beside the analytic ones with their
+    ratio."""
     mem, k, t = e["memory"], e["memory"]["by_kind"], e["time"]
     topo = plan.topology
 
@@ -316,4 +317,6 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"{topo.matmul_efficiency:.0%} of peak in matmuls, {topo.attention_efficiency:.0%} in "
         f"attention, {topo.link_efficiency:.0%} of link bandwidth)",
     ]
+    if compiled is not None:  # FLOPs and time have no compiled counterpart here
+        lines = [x for x in lines if not x.startswith(("  FLOPs", "  step time"))]
     return lines
