@@ -7,6 +7,8 @@
 | `cudnn`   | the whole sequence; a GPU, bf16/fp16, head    | `fused_attention`: cuDNN flash      |
 |           | dim a multiple of 8 and <= 128 (256: Hopper)  | attention (jax.nn)                  |
 | `ring`    | T is split over a mesh axis (`seq`)           | zig-zag ring attention (`ring.py`)  |
+| `gather`  | T split over `seq`, inside ZB-H1's per-stage  | K/V all-gathered over `seq`, local  |
+|           | branches (a ring's permutes there deadlock)   | queries against them (`ring.py`)    |
 
 `model.attention` asks for a kernel (auto, blocked, cudnn); `choose` turns it into the kind,
 once, for the plan (`Plan.attention`); the step calls `select` with it, and says whether the
@@ -25,10 +27,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .ring import ring_attention, ring_attention_local
+from .ring import gathered_attention_local, ring_attention, ring_attention_local
 from .schema import ConfigError
 
-KINDS = ("blocked", "cudnn", "ring")
+KINDS = ("blocked", "cudnn", "ring", "gather")
+SPLIT = ("ring", "gather")  # the kinds that run with T split over the `seq` axis
 # what `fused_attention` asks jax for; the tests set "xla" (JAX's reference of the same call)
 # to run the cudnn kind's plumbing -- head layout, sharding, gradients -- on a CPU
 FUSED = "cudnn"
@@ -97,10 +100,11 @@ def fused_attention(q_btkgh, k_bskh, v_bskh, implementation: str | None = None):
 
 
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,
-           hopper: bool = False) -> str:
+           hopper: bool = False, branched: bool = False) -> str:
     """The attention kind (see the table) for `model.attention = requested` on `platform`
-    with compute `dtype`, `head_dim` and the sequence split over `seq` devices. An explicit
-    `cudnn` that cannot run raises ConfigError naming model.attention; `auto` falls back."""
+    with compute `dtype`, `head_dim` and the sequence split over `seq` devices; `branched`:
+    the layers run inside per-device branches (ZB-H1). An explicit `cudnn` that cannot run
+    raises ConfigError naming model.attention; `auto` falls back."""
     limit = 256 if hopper else 128
     why_not = (f"needs a GPU (this run's devices are {platform})" if platform != "gpu" else
                f"needs bfloat16 or float16 compute (model.dtype is {dtype})"
@@ -113,7 +117,7 @@ def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int
     if requested == "cudnn" and why_not:
         raise ConfigError("model.attention", f"cudnn {why_not}; use auto or blocked")
     if seq > 1:
-        return "ring"
+        return "gather" if branched else "ring"
     return "cudnn" if requested != "blocked" and why_not is None else "blocked"
 
 
@@ -125,8 +129,12 @@ def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
         return causal_attention
     if kind == "cudnn":
         return fused_attention
-    if kind != "ring":
+    if kind not in SPLIT:
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
+    if kind == "gather":  # runs in the pipeline's per-device code only (ZB-H1)
+        if not manual:
+            raise ValueError("gather attention runs inside a shard_map manual over its axis")
+        return lambda q, k, v: gathered_attention_local(q, k, v, axis, mesh.shape[axis])
     if manual:
         n = mesh.shape[axis]
         return lambda q, k, v: ring_attention_local(q, k, v, axis, n)

@@ -225,12 +225,6 @@ def validate(cfg: Config) -> None:
     _need(par.pipeline_schedule != "zb_h1" or par.pipeline_repeats == 1,
           "parallel.pipeline_repeats", "zb_h1 runs one chunk per stage (the interleaved "
           "zero-bubble schedule, ZB-V, is another schedule); use 1f1b for interleaving")
-    # ring attention's ppermutes would run inside ZB-H1's per-stage conditional: XLA:CPU
-    # (jax 0.10.2) rendezvouses a collective-permute with every device of the program: one
-    # that a stage skips deadlocks (a 4-device repro), and the ZB-H1 step's loss came out
-    # wrong; all-reduces over tensor, grouped inside a stage, are right
-    _need(par.pipeline_schedule != "zb_h1" or mesh.seq == 1, "parallel.pipeline_schedule",
-          "zb_h1 does not run with ring attention (mesh.seq > 1) yet: use 1f1b")
     _need(par.zero3_gather in ("step", "tick"), "parallel.zero3_gather", "must be step or tick")
     _need(par.pipeline_schedule == "gpipe" or par.zero3_gather == "step" or par.zero_stage < 3,
           "parallel.zero3_gather", "tick needs parallel.pipeline_schedule=gpipe (1f1b and zb_h1 "

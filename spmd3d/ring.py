@@ -164,6 +164,26 @@ def _backward(q, k, v, out, lse, do, axis, n):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def gathered_attention_local(q, k, v, axis: str, n: int):
+    """Per-device causal attention of the local queries (two zig-zag chunks) against the whole
+    sequence's K/V, gathered over `axis` (n devices): all-gather context parallelism, as
+    LLaMA 3 was trained. Every collective is a gather over the seq group (and, in the backward,
+    its transpose, a reduce-scatter of dK/dV), never a permute: it can run inside a per-stage
+    branch (ZB-H1's), where XLA:CPU rendezvouses a collective-permute with every device of the
+    program, so a ring there deadlocks. Scores and softmax in fp32; it scores every key, the
+    masked ones too (twice the ring's score FLOPs, whose zig-zag steps skip them), and holds the
+    gathered K/V and [T_local, T] scores per layer."""
+    t = q.shape[1]
+    keys = zigzag_order(n * t, n)  # the global position of each gathered key (static)
+    mine = jax.lax.dynamic_slice_in_dim(jnp.asarray(keys), jax.lax.axis_index(axis) * t, t)
+    k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+    s = _scores(q, k_all, q.shape[-1] ** -0.5)
+    s = jnp.where(mine[:, None] >= jnp.asarray(keys)[None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", p, v_all)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def ring_attention_local(q, k, v, axis: str, n: int):
     """Per-device causal ring attention, for code already inside a shard_map manual over

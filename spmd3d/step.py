@@ -157,7 +157,7 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
         blocks = _gather_blocks(blocks)
     if once or not rules.params_over_batch:
         inner, batch_axis = inner.with_(batch=None), inner["batch"]
-    if plan.attention == "ring":
+    if plan.attention in attention.SPLIT:
         seq_axis = inner["length"]
         res = inner["res_length"]
         res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None

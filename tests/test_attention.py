@@ -31,6 +31,9 @@ GPU = dict(platform="gpu", dtype="bfloat16", head_dim=128, seq=1)
     ("auto", {"head_dim": 256}, "blocked"),  # > 128 before Hopper
     ("auto", {"head_dim": 256, "hopper": True}, "cudnn"),
     ("auto", {"seq": 2}, "ring"),
+    ("auto", {"seq": 2, "branched": True}, "gather"),  # inside ZB-H1's per-stage branches
+    ("blocked", {"seq": 4, "branched": True}, "gather"),
+    ("auto", {"branched": True}, "cudnn"),
     ("blocked", {}, "blocked"),
     ("blocked", {"seq": 4}, "ring"),
     ("cudnn", {"dtype": "float16"}, "cudnn"),
@@ -46,6 +49,41 @@ def test_explicit_cudnn_that_cannot_run_is_refused(overrides, words):
     with pytest.raises(ConfigError, match=words) as e:
         choose("cudnn", **{**GPU, **overrides})
     assert e.value.field == "model.attention"
+
+
+def test_zb_h1_with_the_sequence_split_gathers_kv_and_other_schedules_ring():
+    kinds = {schedule: Plan.resolve(small_config(stage=2, seq=2, micro=2, extra=[
+        f"parallel.pipeline_schedule={schedule}"]), topology="h100x8").attention
+        for schedule in ("gpipe", "1f1b", "zb_h1")}
+    assert kinds == {"gpipe": "ring", "1f1b": "ring", "zb_h1": "gather"}
+
+
+def test_gathered_attention_is_causal_attention_over_the_whole_sequence():
+    """Per device of a 4-way seq group: its zig-zag queries against the gathered K/V give the
+    rows of dense causal attention at those positions, and so do the gradients."""
+    from jax.sharding import PartitionSpec as P
+
+    from spmd3d.ring import gathered_attention_local, zigzag_order
+
+    n, t = 4, 32
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, t, 2, 2, 8))
+    k, v = (jax.random.normal(x, (2, t, 2, 8)) for x in keys[1:])
+    order = zigzag_order(t, n)
+    mesh = jax.make_mesh((n,), ("seq",), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    gathered = jax.shard_map(lambda q, k, v: gathered_attention_local(q, k, v, "seq", n),
+                             mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
+
+    def loss(f, q, k, v):
+        return jnp.sum(jnp.sin(f(q, k, v)))
+
+    zig = lambda a: a[:, order]  # noqa: E731
+    got = jax.value_and_grad(lambda *a: loss(gathered, *map(zig, a)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(lambda *a: loss(causal_attention, *a), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_the_plan_resolves_the_kind_on_its_devices():

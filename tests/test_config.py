@@ -170,8 +170,6 @@ STATIC_CASES = [
     ("zb-interleaved", ["mesh.stage=2", "model.num_layers=4", "parallel.pipeline_repeats=2",
                         "train.microbatches=2", "parallel.pipeline_schedule=zb_h1"],
      "parallel.pipeline_repeats"),
-    ("zb-ring", ["mesh.stage=2", "mesh.seq=2", "mesh.tensor=1",
-                 "parallel.pipeline_schedule=zb_h1"], "parallel.pipeline_schedule"),
     ("pipeline-batch-not-div", ["mesh.stage=2", "train.microbatches=3"], "train.global_batch"),
     ("seq-len-not-div-zigzag", ["mesh.seq=4", "mesh.tensor=1", "train.seq_len=100"], "train.seq_len"),
     ("tensor-zero", ["mesh.tensor=0"], "mesh.tensor"),

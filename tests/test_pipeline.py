@@ -71,6 +71,9 @@ ZERO_BUBBLE = {
                                              remat="stage", extra=ZB),
     "zb_dp2_pp2_tp2_save_dots": dict(data=2, stage=2, tensor=2, micro=4, remat="save_dots",
                                      extra=ZB),
+    # the sequence over seq: K/V gathered (attention kind `gather`), no ring in the branches
+    "zb_pp2_tp2_seq2_sp": dict(stage=2, tensor=2, seq=2, micro=4, sp=True, extra=ZB),
+    "zb_dp2_pp2_seq2_full_remat": dict(data=2, stage=2, seq=2, micro=2, remat="full", extra=ZB),
 }
 LAYOUTS.update(ZERO_BUBBLE)
 

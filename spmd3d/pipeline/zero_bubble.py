@@ -239,7 +239,12 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
         # the stage's layers, of the head, loss, the last stage's dloss/dy).
         def result(y=None, dx=None, residuals=None, inputs=None, d_taps=None, d_stack=None,
                    d_head=None, total=None, dy=None):
-            pick = lambda v, like: nothing(like) if v is None else v  # noqa: E731
+            def pick(v, like):  # a slot's worth, varying as the buffer it goes to (a
+                # constant residual, as the gathered attention's key positions, is invariant)
+                if v is None:
+                    return nothing(like)
+                return jax.tree.map(lambda a, b: _vary(a, _varying(jax.typeof(b))), v, like)
+
             return (pick(y, box_x), pick(dx, box_x), pick(residuals, stash),
                     pick(inputs, inputs_stash), pick(d_taps, taps_stash),
                     g_zero_fn() if d_stack is None else d_stack,

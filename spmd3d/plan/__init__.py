@@ -47,8 +47,9 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str]:
     if m.dtype == "auto":
         m = replace(m, dtype=compute_dtype(m.dtype, platform))
         cfg = replace(cfg, model=m)
+    branched = cfg.mesh.stage > 1 and cfg.parallel.pipeline_schedule == "zb_h1"
     return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
-                       seq=cfg.mesh.seq, hopper=hopper)
+                       seq=cfg.mesh.seq, hopper=hopper, branched=branched)
 
 
 @dataclass(frozen=True)
