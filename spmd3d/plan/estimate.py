@@ -138,7 +138,10 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # shift is the backward's), and K, V with their fp32 gradients n times in the backward;
     # with n = 2 the one-step loops are inlined and their last shifts of K and V dropped
     kv = n * w.kv * c
-    if q > 1:
+    if q > 1 and plan.attention == "gather":  # ZB-H1: the whole sequence's K and V gathered
+        add("K, V gathered", "gather", ("seq",), 2 * q * kv, fwd * (1 + redone(plan)))
+        add("dK, dV reduce-scattered", "reduce-scatter", ("seq",), 2 * q * kv, bwd)
+    elif q > 1:
         shifts = (q if q > 2 else 1) * fwd + (q - 1 if q > 2 else 0) * (fwd * redone(plan))
         add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - (q == 2)) * bwd)
         add("ring dK, dV", "permute", ("seq",), 2 * n * w.kv * F32, q * bwd)
@@ -155,8 +158,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
             edge = s.repeats * s.stages - 1  # warm-up and cool-down ticks
             moves = 3 * edge + 4 * (s.ticks - 2 * edge) + 2 * edge + (s.stages - 1)
             moves -= (edge == 1) + (s.stages == 2)  # one-tick phases' unused last shifts
-        else:
-            moves = 4 * s.ticks
+        else:  # and p - 1 more slots for the last input gradients' belt
+            moves = 4 * (s.ticks + s.stages - 1)
         add("pipeline shifts", "permute", ("stage",), res, moves)
 
     # gradients: reduced over what splits the tokens (data, seq; the embedding and head also

@@ -161,6 +161,8 @@ def _keys_per_query(plan) -> float:
         return 0.0
     if plan.attention == "ring":  # each ring step scores a query against one device's keys
         return t / seq
+    if plan.attention == "gather":  # every key of the sequence, the masked ones too
+        return t
     return t * computed_fraction(t)
 
 
