@@ -53,7 +53,7 @@ def pipelines(cfg: Config, mesh: dict):
             yield "gpipe", 1, micro
         return
     for kind, repeats in SCHEDULES:
-        if p * repeats > cfg.model.num_layers or (kind == "zb_h1" and mesh["seq"] > 1):
+        if p * repeats > cfg.model.num_layers:
             continue
         for micro in _divisors(rows):
             if micro >= p and (repeats == 1 or micro % p == 0):
