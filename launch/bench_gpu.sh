@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
 # and -3B shapes), the fused attention against the blocked one, a profile's top ops, and the
-# planner calibrated on the 1B run then asked to predict the 3B one.
+# planner calibrated on the 1B run then asked to predict the 3B one; with several GPUs, the
+# pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.
 #
 #   launch/bench_gpu.sh [OUTDIR]       (default runs/bench_gpu; PYTHON=... to pick the interpreter)
 #
@@ -31,6 +32,18 @@ bench() {  # NAME CONFIG [args...]: one bench run, bounded, its record and log u
 bench gpu_1b configs/gpu_1b.yaml --steps=10 --attention --profile="$out/trace_1b"
 bench gpu_3b configs/gpu_3b.yaml --steps=10
 rm -rf "$out/trace_1b"  # the summary is in the record; the trace itself is large
+
+# With two or more GPUs: the pipeline schedules against each other on the 1B preset, one stage
+# per GPU (up to 8), m = 4p microbatches of one sequence each
+gpus=$("$py" -c "import jax; print(min(jax.device_count(), 8))")
+if [ "$gpus" -ge 2 ] && [ $((16 % gpus)) -eq 0 ]; then
+  sched=(mesh.stage="$gpus" train.global_batch=$((4 * gpus)) train.microbatches=$((4 * gpus)))
+  for s in gpipe 1f1b zb_h1; do
+    bench "pp${gpus}_$s" configs/gpu_1b.yaml --steps=10 "${sched[@]}" parallel.pipeline_schedule=$s
+  done
+  bench "pp${gpus}_1f1b_v2" configs/gpu_1b.yaml --steps=10 "${sched[@]}" \
+    parallel.pipeline_schedule=1f1b parallel.pipeline_repeats=2
+fi
 
 for name in gpu_1b gpu_3b; do
   echo "== plan $name, calibrated on gpu_1b"

@@ -165,7 +165,9 @@ class Plan:
     def describe(self) -> str:
         """The layout in a few lines: mesh, ZeRO, SP, remat and the pipeline schedule."""
         cfg, par = self.cfg, self.cfg.parallel
-        lines = [f"mesh {dict(self.mesh.shape)}, ZeRO-{par.zero_stage}, "
+        sharded = par.zero_stage == 1 and self.accum_steps > 1  # see `of`
+        lines = [f"mesh {dict(self.mesh.shape)}, ZeRO-{par.zero_stage}"
+                 f"{' (gradients accumulated sharded)' if sharded else ''}, "
                  f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"]
         if self.schedule:
             lines.append(self.schedule.describe(self.layer_order))
