@@ -119,7 +119,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     act = n * m.d_model * c
     f = 4 if sp else 2
     again = {"none": 0, "save_dots": f - 2, "full": f - 1}[remat]
-    add("layers' activations", "reduce", ("tensor",), act, (fwd + restage) * f + bwd * (f + again))
+    # (as sent: an all-reduce is a reduce-scatter and a gather, so SP's four cost its two)
+    add("layers' activations", "reduce-scatter" if sp else "reduce", ("tensor",), act,
+        (fwd + restage) * f + bwd * (f + again))
     # the embedding's lookup (psum of its vocab shards, in the parameters' dtype) and the head's
     # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
     # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
