@@ -121,13 +121,22 @@ class ZeroRules:
         return ZeroRules(self.compute, add_stage(self.params), add_stage(self.grads),
                          add_stage(self.opt))
 
-    @property
-    def params_over_batch(self) -> bool:
-        """Whether stored weights are split over the batch's mesh axis (ZeRO-3)."""
+    def _over_batch(self, rules: Rules) -> bool:
         batch = self.compute["batch"]
         return batch is not None and any(
             v == batch or (isinstance(v, tuple) and batch in v)
-            for k, v in self.params.table if k not in ACTIVATION_NAMES)
+            for k, v in rules.table if k not in ACTIVATION_NAMES)
+
+    @property
+    def params_over_batch(self) -> bool:
+        """Whether stored weights are split over the batch's mesh axis (ZeRO-3)."""
+        return self._over_batch(self.params)
+
+    @property
+    def grads_over_batch(self) -> bool:
+        """Whether gradients are split over the batch's mesh axis (ZeRO-2/3, and ZeRO-1
+        accumulating microbatches: `Plan.of`)."""
+        return self._over_batch(self.grads)
 
 
 def zero_rules(zero_stage: int, sequence_parallel: bool = False) -> ZeroRules:

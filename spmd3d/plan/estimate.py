@@ -170,7 +170,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # in a pipeline (the shard_map sums its fp32 weights' cotangent); the embedding in fp32;
     # the head in the compute dtype (`model.head_logits`), or fp32 summed inside 1F1B/ZB-H1
     shapes = param_shapes(m, len(plan.layer_order))
-    sharded = rules.grads["embed"] is not None and d > 1
+    sharded = rules.grads_over_batch and d > 1
     times = plan.accum_steps  # XLA reduces inside the accumulation loop, ZeRO-0 too
 
     def size(keys, table):
@@ -183,8 +183,10 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
                    + size(norms, rules.compute) * F32)
     add("layer gradients", "reduce-scatter" if sharded else "reduce", ("data",), layer_bytes,
         times)
-    # over seq after data when the gradients are sharded: the data shard only
-    add("layer gradients", "reduce", ("seq",), layer_bytes / (d if sharded else 1), times)
+    # over seq after data when the gradients are sharded: the data shard only (a pipeline's
+    # shard_map sums the stage's whole gradient over data and seq at once)
+    add("layer gradients", "reduce", ("seq",), layer_bytes / (d if sharded and s is None else 1),
+        times)
     head_dtype = F32 if s is not None and s.kind != "gpipe" else c
     add("head gradient", "reduce", rows_split + ("seq",),
         size(["head"], rules.compute) * head_dtype + m.d_model * F32, times)

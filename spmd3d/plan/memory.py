@@ -237,7 +237,7 @@ def memory(plan) -> dict:
                       mesh) * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
     # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
-    sharded = plan.rules.grads["embed"] is not None and mesh["data"] > 1
+    sharded = plan.rules.grads_over_batch and mesh["data"] > 1
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.kind != "gpipe"
                                                           else 0)
     loss, layer = kinds["logits_loss"], kinds["layer_working"]
