@@ -221,10 +221,8 @@ def validate(cfg: Config) -> None:
     _need(par.pipeline_schedule == "gpipe" or par.pipeline_repeats == 1
           or cfg.train.microbatches % mesh.stage == 0, "train.microbatches",
           f"{cfg.train.microbatches} is not a multiple of mesh.stage = {mesh.stage}: "
-          "interleaved 1F1B (parallel.pipeline_repeats > 1) takes p microbatches at a time")
-    _need(par.pipeline_schedule != "zb_h1" or par.pipeline_repeats == 1,
-          "parallel.pipeline_repeats", "zb_h1 runs one chunk per stage (the interleaved "
-          "zero-bubble schedule, ZB-V, is another schedule); use 1f1b for interleaving")
+          f"interleaved {par.pipeline_schedule} (parallel.pipeline_repeats > 1) takes p "
+          "microbatches at a time")
     _need(par.zero3_gather in ("step", "tick"), "parallel.zero3_gather", "must be step or tick")
     _need(par.pipeline_schedule == "gpipe" or par.zero3_gather == "step" or par.zero_stage < 3,
           "parallel.zero3_gather", "tick needs parallel.pipeline_schedule=gpipe (1f1b and zb_h1 "

@@ -109,7 +109,8 @@ class ParallelConfig:
                                           "microbatches), 1f1b (one forward and one backward "
                                           "per tick: saves at most 2p-1; interleaved with "
                                           "repeats) or zb_h1 (zero bubble: B and W apart, W "
-                                          "filling the bubble; saves at most p)")
+                                          "filling the bubble; saves at most p; interleaved "
+                                          "with repeats)")
     sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
     remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
                              "stage (keep only each stage's input per microbatch)")

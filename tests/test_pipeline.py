@@ -74,6 +74,10 @@ ZERO_BUBBLE = {
     # the sequence over seq: K/V gathered (attention kind `gather`), no ring in the branches
     "zb_pp2_tp2_seq2_sp": dict(stage=2, tensor=2, seq=2, micro=4, sp=True, extra=ZB),
     "zb_dp2_pp2_seq2_full_remat": dict(data=2, stage=2, seq=2, micro=2, remat="full", extra=ZB),
+    # interleaved: two chunks of one layer per stage, stage 0's second chunk fed by stage 1
+    "zb_dp4_pp2_v2_m2": dict(data=4, stage=2, micro=2, extra=ZB + V2),  # m = p
+    "zb_dp2_pp2_tp2_v2_m8_sp_zero3": dict(data=2, stage=2, tensor=2, micro=8, zero=3, sp=True,
+                                          extra=ZB + V2),  # m = 4p
 }
 LAYOUTS.update(ZERO_BUBBLE)
 
@@ -143,38 +147,106 @@ def per_device_flops(layers, extra=(), **kw):
     return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
 
-def test_interleaved_1f1b_on_four_stages_matches_one_device():
-    """Interleaved 1F1B at p = 4 (two one-layer chunks per stage of an 8-layer model, m = p,
-    with data): virtual stage j = c p + s, so the forward ring wraps stage 3's chunk 0 into
-    stage 0's chunk 1."""
-    l8 = ["model.num_layers=8"]
-    assert_grads_match(small_config(data=2, stage=4, micro=4, extra=l8 + F1B + V2),
-                       first_grads(small_config(extra=l8)))
+@pytest.fixture(scope="module")
+def reference_8_layers():
+    return first_grads(small_config(extra=["model.num_layers=8"]))
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16), (8, 32)])
-def test_zb_h1_table_fills_the_bubble_within_1f1b_memory(p, m):
-    """The ZB-H1 table takes 3m + p - 1 slots (1F1B's lockstep ticks cost 3m + 3(p - 1) slots
-    of one F, B or W), runs every F, B and W once per stage after what it needs, and keeps at
-    most p microbatches between a stage's F and its W (1F1B's peak, on every stage)."""
-    from spmd3d.pipeline.zero_bubble import BACKWARD, FORWARD, WEIGHT, zb_h1_table
+@pytest.mark.parametrize("schedule,extra", [("1f1b", []), ("zb_h1", ["mesh.seq=2"])])
+def test_interleaved_on_four_stages_matches_one_device(reference_8_layers, schedule, extra):
+    """Interleaved 1F1B and ZB-H1 at p = 4 (two one-layer chunks per stage of an 8-layer
+    model, m = p, with data; ZB-H1 with the sequence split too): virtual stage j = c p + s, so
+    the forward ring wraps stage 3's chunk 0 into stage 0's chunk 1."""
+    c = small_config(data=2 if schedule == "1f1b" else 1, stage=4, micro=4, extra=[
+        "model.num_layers=8", f"parallel.pipeline_schedule={schedule}", *V2, *extra])
+    assert_grads_match(c, reference_8_layers)
 
-    ops, _, _ = zb_h1_table(p, m)
-    kind, mb = ops[..., 0], ops[..., 1]
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 1), (2, 8, 1), (3, 5, 1), (4, 4, 1), (4, 16, 1),
+                                   (8, 32, 1), (2, 2, 2), (4, 4, 2), (4, 16, 2), (8, 32, 2),
+                                   (2, 2, 3), (4, 16, 4)])
+def test_zb_h1_table_fills_the_bubble_within_1f1b_memory(p, m, v):
+    """The ZB-H1 table takes 3vm + p - 1 slots of one chunk's F, B or W (1F1B's lockstep
+    ticks cost 3(vm + p - 1)), runs every F, B and W once per stage and chunk after what it
+    needs (the virtual stage before, c p + s - 1, wraps to stage p - 1's chunk c - 1), keeps
+    at most p microbatches' worth between a stage's F and its W (v p chunk passes: 1F1B's
+    peak; interleaved 1F1B keeps 2vp - 1), and its buffers' slots are exact: every value
+    read is the one stored for it, never overwritten while live."""
+    from spmd3d.pipeline.zero_bubble import BACKWARD, FIELDS, FORWARD, WEIGHT, zb_table
+
+    table, schedule = zb_table(p, m, v), Schedule(p, m, v, "zb_h1")
+    kind = table.field("kind")
     busy = np.flatnonzero((kind != 0).any(axis=1))
-    assert busy[-1] + 1 == 3 * m + p - 1 == Schedule(p, m, kind="zb_h1").ticks
-    when = {(int(k), s, int(i)): t for t in range(len(ops)) for s in range(p)
-            for k, i in [ops[t, s]] if k}
-    assert len(when) == 3 * p * m
+    assert busy[-1] + 1 == 3 * v * m + p - 1 == schedule.ticks
+    assert abs(schedule.bubble - (p - 1) / schedule.ticks) < 1e-12
+    when = {}
+    for t, s in np.ndindex(kind.shape):
+        row = dict(zip(FIELDS, table.rows[t, s].tolist()))
+        if row["kind"]:
+            when[(row["kind"], s, row["chunk"], row["mb"])] = t
+    assert len(when) == 3 * p * m * v
+    before = lambda s, c: (s - 1, c) if s else (p - 1, c - 1)  # noqa: E731
+    after = lambda s, c: (s + 1, c) if s < p - 1 else (0, c + 1)  # noqa: E731
+    for s, c, i in np.ndindex(p, v, m):
+        f, b, w = (when[(k, s, c, i)] for k in (FORWARD, BACKWARD, WEIGHT))
+        assert f < b < w
+        assert (s, c) == (0, 0) or when[(FORWARD, *before(s, c), i)] < f
+        assert (s, c) == (p - 1, v - 1) or when[(BACKWARD, *after(s, c), i)] < b
     for s in range(p):
-        for i in range(m):
-            f, b, w = (when[(k, s, i)] for k in (FORWARD, BACKWARD, WEIGHT))
-            assert f < b < w
-            assert s == 0 or when[(FORWARD, s - 1, i)] < f
-            assert s == p - 1 or when[(BACKWARD, s + 1, i)] < b
         live = np.cumsum(kind[:, s] == FORWARD) - np.cumsum(kind[:, s] == WEIGHT)
-        assert live.max() <= min(p, m)
-    assert Schedule(p, m, kind="zb_h1").in_flight == min(p, m)
+        assert live.max() <= min(p, m) * v == table.stash_slots == schedule.in_flight
+
+    # replay every buffer slot by slot: reads (at the slot's start) find what was stored
+    # for that very pass (at the end of an earlier slot)
+    def replay(buffer, stores, reads):
+        held = {}
+        for t in range(len(kind)):
+            for s in range(p):
+                for key, slot in reads(t, s):
+                    assert held[(s, slot)] == key, (buffer, t, s, key)
+            for s in range(p):
+                for key, slot in stores(t, s):
+                    held[(s, slot)] = key
+
+    def row(t, s):
+        return dict(zip(FIELDS, table.rows[t, s].tolist()))
+
+    def op(t, s, *kinds):  # [((chunk, mb), the op's stash slot)] if the op is of `kinds`
+        r = row(t, s)
+        return [((r["chunk"], r["mb"]), r["stash"])] if r["kind"] in kinds else []
+
+    replay("stash", lambda t, s: op(t, s, FORWARD), lambda t, s: op(t, s, BACKWARD, WEIGHT))
+
+    def sent(t, s, kind, toward):  # what the op on the neighbour `toward` sent, with its pass
+        q = (s - toward) % p
+        r = row(t, q)
+        if r["kind"] != kind:
+            return None
+        return (r["chunk"] + (1 if toward == 1 and s == 0 else -1 if toward == -1 and
+                              s == p - 1 else 0), r["mb"])
+
+    def x_stores(t, s):
+        key, slot = sent(t, s, FORWARD, 1), row(t, s)["x_to"]
+        assert (slot >= 0) == (key is not None and key[0] < v), (t, s)
+        return [(key, slot)] if slot >= 0 else []
+
+    def x_reads(t, s):
+        r = row(t, s)
+        return [((r["chunk"], r["mb"]), r["x_at"])] if r["x_at"] >= 0 else []
+
+    replay("activations", x_stores, x_reads)
+
+    def ct_stores(t, s):
+        r, key, slot = row(t, s), sent(t, s, BACKWARD, -1), row(t, s)["ct_to"]
+        assert (slot >= 0) == (key is not None and key[0] >= 0), (t, s)
+        mine = [((r["chunk"], r["mb"]), r["dy_to"])] if r["dy_to"] >= 0 else []
+        return mine + ([(key, slot)] if slot >= 0 else [])
+
+    def ct_reads(t, s):
+        r = row(t, s)
+        return [((r["chunk"], r["mb"]), r["ct_at"])] if r["kind"] == BACKWARD else []
+
+    replay("cotangents", ct_stores, ct_reads)
 
 
 def stack_flops(**kw):
@@ -330,13 +402,11 @@ def test_zb_h1_never_copies_a_stash_or_the_gradient_stack():
     import re
     from collections import Counter
 
-    from spmd3d.pipeline.zero_bubble import zb_h1_table
-
     p, m = 4, 8
     c = cfg(data=2, stage=p, micro=m, extra=WIDE + [
         "model.num_layers=8", f"train.global_batch={2 * m}", "parallel.pipeline_schedule=zb_h1"])
     text = runtime.setup(c, devices_for(c)).compile()[0].as_text()
-    slots, computation, copies = zb_h1_table(p, m)[2], None, Counter()
+    slots, computation, copies = Schedule(p, m, kind="zb_h1").in_flight, None, Counter()
     for line in text.splitlines():
         header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
         if header:

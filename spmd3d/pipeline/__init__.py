@@ -8,7 +8,8 @@ the ticks, the shifts between stages and the bubble. Two schedules, one module e
   stage, so a stage keeps at most 2p - 1 microbatches' residuals whatever m is (interleaved
   with repeats).
 - `zero_bubble.train` (through `one_f_one_b.loss_and_grads`): ZB-H1, the backward split into
-  input and weight gradients, each stage running its own operation per slot from a table.
+  input and weight gradients, each stage running its own operation per slot from a table
+  (interleaved with repeats).
 Here: the `Schedule` (its ticks, bubble and in-flight microbatches), the order the stacked layers
 are stored in, and the per-device helpers both schedules use.
 """
@@ -52,13 +53,20 @@ class Schedule:
     def ticks(self) -> int:
         """Forward ticks (GPipe: and as many backward ticks), or 1F1B's ticks, each a forward
         and a backward on every stage but the p - 1 forward-only ticks of the warm-up and the
-        p - 1 backward-only ticks of the cool-down, or ZB-H1's slots of one F, B or W each."""
+        p - 1 backward-only ticks of the cool-down, or ZB-H1's slots of one chunk's F, B or W
+        each (its table's: 3 v m + p - 1 when m >= p)."""
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.kind == "1f1b":  # v p - 1 forward-only, v m + p - v p, v p - 1 backward-only
             return v * m + (v + 1) * p - 2
         if self.kind == "zb_h1":
-            return 3 * m + p - 1
+            return len(self.table().rows) - (p - 1)
         return v * m + p - 1
+
+    def table(self):
+        """ZB-H1's operations and buffer slots (`zero_bubble.zb_table`)."""
+        from .zero_bubble import zb_table
+
+        return zb_table(self.stages, self.microbatches, self.repeats)
 
     @property
     def flops_ratio(self) -> float:
@@ -74,26 +82,28 @@ class Schedule:
     @property
     def bubble(self) -> float:
         """The idle fraction of each stage's time: (p - 1)/(v·m + p - 1) in lockstep, where
-        F, B and W cost alike; ZB-H1's p - 1 idle slots of 3m + p - 1."""
+        F, B and W cost alike; ZB-H1's idle slots, p - 1 of 3vm + p - 1 when m >= p."""
         if self.kind == "zb_h1":
-            return (self.stages - 1) / self.ticks
+            return 1 - 3 * self.repeats * self.microbatches / self.ticks
         return 1 - 1 / self.flops_ratio
 
     @property
     def theory(self) -> str:
-        return "(p-1)/(3m+p-1)" if self.kind == "zb_h1" else "(p-1)/(v*m+p-1)"
+        return "(p-1)/(3*v*m+p-1)" if self.kind == "zb_h1" else "(p-1)/(v*m+p-1)"
 
     @property
     def in_flight(self) -> int:
         """Passes whose residuals the first stage keeps at once: all m microbatches under
         GPipe (v m chunk passes when circular); in 1F1B's lockstep ticks a microbatch's backward
         reaches stage s 2(p - 1 - s) ticks after its forward, so stage 0 keeps 2p - 1 (or m,
-        if fewer); interleaved, 2 v p - 1 chunk passes, each 1/v of the stage's layers."""
+        if, fewer); interleaved, 2 v p - 1 chunk passes, each 1/v of the stage's layers. ZB-H1
+        keeps a pass from its forward to its W: min(p, m) microbatches, v p chunk passes
+        interleaved (its table's peak)."""
         p, m, v = self.stages, self.microbatches, self.repeats
         if self.kind == "1f1b":
             return min(2 * p - 1, m) if v == 1 else 2 * p * v - 1
-        if self.kind == "zb_h1":  # from a stage's forward to its W (`zero_bubble.stage_order`)
-            return min(p, m)
+        if self.kind == "zb_h1":
+            return self.table().stash_slots
         return v * m
 
     @property

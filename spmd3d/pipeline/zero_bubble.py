@@ -8,22 +8,27 @@ the x^T dy products B does not return. W is later the vjp of the projections alo
 Deferring W lets each B go back to the stage before at once, so the cool-down's cotangents
 stream back one stage per slot while the deferred W's fill what were idle slots.
 
-The schedule is a table: each stage runs an ordered list of operations (p - s forwards, then
-for each microbatch i its B, the W deferred by s microbatches, and the next forward), each as
-soon as what it needs has arrived. With unit costs that takes 3m + p - 1 slots against the
-3m + 3(p - 1) of 1F1B's lockstep ticks (`zb_h1_table`), and every stage holds at most p
-microbatches between a forward and its W, 1F1B's peak. Unlike the lockstep schedules each
-device runs its own operation in a slot (`lax.switch` over idle/F/B/W, nothing computed in an
-idle slot), then four `ppermute`s move what was sent: activations ahead, cotangents back, the
-embedded inputs (a belt bringing microbatch i to stage 0 in the slot of its forward) and the
-input gradients (a belt taking them to the stage that fed the microbatch in). What arrives
-before it is used waits in a small inbox; residuals, projection inputs and taps' cotangents
-wait in stashes of p slots (the microbatch modulo their size: no two live ones meet, checked
-when the table is built).
+The schedule is a table: each stage runs an ordered list of operations (V - s forwards, then
+for each pass its B, the W deferred by s passes, and the next forward), each as soon as what it
+needs has arrived. With v chunks per stage (`parallel.pipeline_repeats`; chunk c of stage s is
+virtual stage c p + s of V = v p, as interleaved 1F1B) a pass is one chunk of one microbatch,
+and a stage runs its passes in interleaved 1F1B's order: microbatches in groups of p, each
+group through chunks 0..v-1 forward and v-1..0 backward. With unit costs per chunk operation
+that takes 3vm + p - 1 slots (`zb_table`) against 1F1B's lockstep 3(vm + p - 1), and every
+stage holds at most V passes between a forward and its W: p stages' worth of activations, 1F1B's
+peak (interleaved 1F1B keeps 2V - 1). Unlike the lockstep schedules each device runs its own
+operation in a slot (`lax.switch` over idle/F/B/W, nothing computed in an idle slot), then four
+`ppermute`s move what was sent: activations ahead (stage p - 1's chunk c on to stage 0's
+chunk c + 1), cotangents back, the embedded inputs (a belt bringing microbatch i to stage 0 in
+the slot of its first forward) and the input gradients (a belt taking them to the stage that fed
+the microbatch in). What arrives before it is used waits in an inbox; residuals, projection
+inputs and taps' cotangents wait in a stash. The table gives every value its buffer slot, as
+few slots as values live at once (`_colour`), so buffers hold exactly the table's peak.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
@@ -34,99 +39,145 @@ from . import (Schedule, _select, _store_if, _vary, _varying, head_grads, rebuil
                run_stages, split_residuals, stage_results, unroll)
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+# a table row per slot and stage: the operation (kind, microbatch, chunk); the stash slot of its
+# pass; the inbox slots its forward reads the activation from (-1: the input belt) and its
+# backward the cotangent from; the inbox slots what arrives at the slot's end goes to
+# (activation, cotangent; -1: nothing) and the last virtual stage's loss gradient; the input
+# slot put on the belt and the slot an input gradient is kept in (-1: none)
+FIELDS = ("kind", "mb", "chunk", "stash", "x_at", "ct_at", "x_to", "ct_to", "dy_to", "put",
+          "keep")
 
 
-def stage_order(p: int, m: int, s: int) -> list[tuple[int, int]]:
-    """Stage s's operations in order, (kind, microbatch): p - s forwards, then for each
-    microbatch its B, the W of the microbatch s before (stage s defers its W's by s, so the
-    last stage's B's go back at once and stage 0, which waits longest, defers none), and the
-    next forward; the deferred W's at the end."""
-    ops = [(FORWARD, i) for i in range(min(p - s, m))]
+def passes(p: int, m: int, v: int, backward: bool = False) -> list[tuple[int, int]]:
+    """(microbatch, chunk) in the order each stage runs its forwards (or backwards): groups of
+    p microbatches, each through chunks 0..v-1 (backward: v-1..0)."""
+    chunks = range(v - 1, -1, -1) if backward else range(v)
+    return [(i, c) for g in range(0, m, p) for c in chunks for i in range(g, min(g + p, m))]
+
+
+def stage_order(p: int, m: int, s: int, v: int = 1) -> list[tuple[int, int, int]]:
+    """Stage s's operations in order, (kind, microbatch, chunk): V - s forwards, then for each
+    pass its B, the W of the pass s before (stage s defers its W's by s, so the last stage's
+    B's go back at once and stage 0, which waits longest, defers none), and the next forward;
+    the deferred W's at the end."""
+    forwards, backwards = passes(p, m, v), passes(p, m, v, backward=True)
+    warm = min(v * p - s, len(forwards))
+    ops = [(FORWARD, i, c) for i, c in forwards[:warm]]
     waiting = []
-    for i in range(m):
-        ops.append((BACKWARD, i))
-        waiting.append(i)
+    for k, (i, c) in enumerate(backwards):
+        ops.append((BACKWARD, i, c))
+        waiting.append((i, c))
         if len(waiting) > s:
-            ops.append((WEIGHT, waiting.pop(0)))
-        if i + p - s < m:
-            ops.append((FORWARD, i + p - s))
-    return ops + [(WEIGHT, i) for i in waiting]
+            ops.append((WEIGHT, *waiting.pop(0)))
+        if warm + k < len(forwards):
+            ops.append((FORWARD, *forwards[warm + k]))
+    return ops + [(WEIGHT, i, c) for i, c in waiting]
 
 
-def _smallest_ring(intervals) -> int:
-    """The fewest slots k such that live intervals {microbatch: (first, last)} of one stage
-    never share microbatch mod k while both live."""
-    for k in range(1, len(intervals) + 1):
-        seen = {}
-        for i, (a, b) in intervals.items():
-            seen.setdefault(i % k, []).append((a, b))
-        if all(a2 > b1 or a1 > b2 for spans in seen.values()
-               for n, (a1, b1) in enumerate(spans) for a2, b2 in spans[n + 1:]):
-            return k
-    return max(len(intervals), 1)
+def _colour(spans: dict) -> tuple[dict, int]:
+    """({key: slot}, slots) for values live over spans {key: (stored, last read)}, in slots: a
+    slot is free again from the slot its value is last read in (a slot reads its buffers
+    before it stores), and taking spans by their start, the fewest slots: as many as values
+    are live at once."""
+    free, slot_of = [], {}
+    for key, (stored, read) in sorted(spans.items(), key=lambda kv: kv[1]):
+        k = next((k for k, f in enumerate(free) if f <= stored), len(free))
+        free[k:k + 1] = [read]
+        slot_of[key] = k
+    return slot_of, max(len(free), 1)
 
 
-@lru_cache(maxsize=64)
-def zb_h1_table(p: int, m: int):
-    """(ops[n, p, 2] of (kind, microbatch) per slot and stage, inbox slots, stash slots): each
-    stage's `stage_order` run as soon as possible (a forward one slot after the stage before
-    ran it, a B one slot after the stage after ran its B, or after the last stage's own
-    forward, which computed the loss; a W after its B), then p - 1 idle slots for the last
-    input gradients to reach their stages."""
-    orders = [stage_order(p, m, s) for s in range(p)]
-    done, pos, rows, t = {}, [0] * p, [], 0
+def _per_stage(spans: dict) -> tuple[dict, int]:
+    """`_colour` on each stage's spans (keyed (stage, ...)): each stage its own buffer, as many
+    slots as the fullest stage's."""
+    slot_of, slots = {}, 1
+    for s in sorted({key[0] for key in spans}):
+        one, k = _colour({key: span for key, span in spans.items() if key[0] == s})
+        slot_of.update(one)
+        slots = max(slots, k)
+    return slot_of, slots
+
+
+@dataclass(frozen=True)
+class Table:
+    rows: np.ndarray  # [slots, p, len(FIELDS)] int32
+    stash_slots: int
+    x_slots: int  # activations waiting for their forward
+    ct_slots: int  # cotangents waiting for their backward
+
+    def field(self, name: str) -> np.ndarray:
+        return self.rows[..., FIELDS.index(name)]
+
+
+@lru_cache(maxsize=256)
+def zb_table(p: int, m: int, v: int = 1) -> Table:
+    """Each stage's `stage_order` run as soon as possible (a forward one slot after the virtual
+    stage before ran it, a B one slot after the virtual stage after ran its B, or after the
+    last virtual stage's own forward, which computed the loss; a W after its B), then p - 1
+    idle slots for the last input gradients to reach their stages; with every value's slot."""
+    def before(s, c):  # the stage and chunk of the virtual stage before, None for the first
+        return None if s == c == 0 else ((s - 1, c) if s else (p - 1, c - 1))
+
+    def after(s, c):
+        return None if (s, c) == (p - 1, v - 1) else ((s + 1, c) if s < p - 1 else (0, c + 1))
+
+    orders = [stage_order(p, m, s, v) for s in range(p)]
+    done, pos, ops = {}, [0] * p, []
     while any(pos[s] < len(orders[s]) for s in range(p)):
-        row = []
+        t, row = len(ops), []
         for s in range(p):
-            op = orders[s][pos[s]] if pos[s] < len(orders[s]) else (IDLE, -1)
-            kind, i = op
-            ready = {IDLE: True,
-                     FORWARD: s == 0 or done.get((FORWARD, s - 1, i), t) < t,
-                     BACKWARD: done.get((FORWARD, s, i), t) < t and (
-                         s == p - 1 or done.get((BACKWARD, s + 1, i), t) < t),
-                     WEIGHT: done.get((BACKWARD, s, i), t) < t}[kind]
-            row.append(op if ready else (IDLE, -1))
-        for s, (kind, i) in enumerate(row):
+            kind, i, c = orders[s][pos[s]] if pos[s] < len(orders[s]) else (IDLE, -1, -1)
+            ran = lambda k, at: at is None or done.get((k, *at, i), t) < t  # noqa: E731
+            ready = {IDLE: True, FORWARD: ran(FORWARD, before(s, c)),
+                     BACKWARD: ran(FORWARD, (s, c)) and ran(BACKWARD, after(s, c)),
+                     WEIGHT: ran(BACKWARD, (s, c))}[kind]
+            row.append((kind, i, c) if ready else (IDLE, -1, -1))
+        for s, (kind, i, c) in enumerate(row):
             if kind != IDLE:
-                done[(kind, s, i)] = t
+                done[(kind, s, c, i)] = t
                 pos[s] += 1
-        rows.append(row)
-        t += 1
-    rows += [[(IDLE, -1)] * p] * (p - 1)
-    ops = np.array(rows, np.int32)
+        ops.append(row)
+    n = len(ops) + p - 1
+    rows = np.full((n, p, len(FIELDS)), -1, np.int32)
+    rows[..., 0] = IDLE
+    rows[:len(ops), :, :3] = ops
 
-    # inbox: from arrival (the slot after it was sent; the last stage's own loss) to use
-    inbox = max(_smallest_ring({i: (done[(FORWARD, s - 1, i)], done[(FORWARD, s, i)])
-                                for i in range(m)}) for s in range(1, p))
-    inbox = max([inbox] + [_smallest_ring({i: (done[(BACKWARD, s + 1, i)], done[(BACKWARD, s, i)])
-                                           for i in range(m)}) for s in range(p - 1)])
-    stash = max(_smallest_ring({i: (done[(FORWARD, s, i)], done[(WEIGHT, s, i)])
-                                for i in range(m)}) for s in range(p))
-    return ops, inbox, stash
+    every = [(s, c, i) for s in range(p) for c in range(v) for i in range(m)]
+    # a pass waits in the stash from its forward to its W; an activation in the inbox from the
+    # end of the slot the virtual stage before ran its forward; a cotangent from the end of the
+    # slot the one after ran its B, or (the last virtual stage's) its own forward's
+    stash, stash_slots = _per_stage(
+        {(s, c, i): (done[(FORWARD, s, c, i)], done[(WEIGHT, s, c, i)]) for s, c, i in every})
+    x_box, x_slots = _per_stage(
+        {(s, c, i): (done[(FORWARD, *before(s, c), i)], done[(FORWARD, s, c, i)])
+         for s, c, i in every if before(s, c)})
+    ct_box, ct_slots = _per_stage(
+        {(s, c, i): (done[(BACKWARD, *after(s, c), i)] if after(s, c) else
+                     done[(FORWARD, s, c, i)], done[(BACKWARD, s, c, i)]) for s, c, i in every})
 
+    def put(t, s, name, value):
+        rows[t, s, FIELDS.index(name)] = value
 
-def _tables(p: int, m: int):
-    """Per slot and stage, as int32 arrays [n, p]: the kind and microbatch of the operation;
-    the microbatch whose activation (cotangent) arrives from the stage before (after), -1 for
-    none; the input slot a stage puts on the input belt; the slot it keeps an input gradient
-    in."""
-    ops, _, _ = zb_h1_table(p, m)
-    kind, mb = ops[..., 0], ops[..., 1]
-    n = len(ops)
-    got_x = np.full((n, p), -1, np.int32)
-    got_x[:, 1:] = np.where(kind[:, :-1] == FORWARD, mb[:, :-1], -1)
-    got_ct = np.full((n, p), -1, np.int32)
-    got_ct[:, :-1] = np.where(kind[:, 1:] == BACKWARD, mb[:, 1:], -1)
-    put = np.full((n, p), -1, np.int32)
-    keep = np.full((n, p), -1, np.int32)
-    for t in range(n):
-        if kind[t, 0] == FORWARD:  # stage i mod p put microbatch i on the belt i mod p ago
-            i = mb[t, 0]
-            put[t - i % p, i % p] = i // p
-        if kind[t, 0] == BACKWARD:  # its input gradient reaches stage i mod p then
-            i = mb[t, 0]
-            keep[t + i % p, i % p] = i // p
-    return [jnp.asarray(a) for a in (kind, mb, got_x, got_ct, put, keep)]
+    for (kind, s, c, i), t in done.items():
+        key = (s, c, i)
+        put(t, s, "stash", stash[key])
+        if kind == FORWARD:
+            put(t, s, "x_at", x_box.get(key, -1))
+            if after(s, c):  # what it sends arrives on the stage after, for its chunk
+                nxt = after(s, c)
+                put(t, nxt[0], "x_to", x_box[(*nxt, i)])
+            else:  # the loss's gradient, kept for this pass's B
+                put(t, s, "dy_to", ct_box[key])
+            if (s, c) == (0, 0):  # stage i mod p put microbatch i on the belt i mod p ago
+                put(t - i % p, i % p, "put", i // p)
+        if kind == BACKWARD:
+            put(t, s, "ct_at", ct_box[key])
+            if before(s, c):
+                prev = before(s, c)
+                put(t, prev[0], "ct_to", ct_box[(*prev, i)])
+            else:  # its input gradient reaches stage i mod p i mod p slots later
+                put(t + i % p, i % p, "keep", i // p)
+    return Table(rows, stash_slots, x_slots, ct_slots)
 
 
 def _is_projection(path, names) -> bool:
@@ -139,13 +190,12 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
     manual over `axis` (and `batch_axis`, `seq_axis` where given), as `one_f_one_b._train`.
     `split` = (tap_shapes, projection_grads, projection weight names) from the model."""
     tap_shapes, projection_grads, projections = split
-    p, m = schedule.stages, schedule.microbatches
-    _, inbox_slots, stash_slots = zb_h1_table(p, m)
-    tables = _tables(p, m)
-    n_slots = int(tables[0].shape[0])
-    depth = jax.tree.leaves(blocks)[0].shape[0] // p
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    table = zb_table(p, m, v)
+    stash_slots, rows = table.stash_slots, jnp.asarray(table.rows)
+    depth = jax.tree.leaves(blocks)[0].shape[0] // (p * v)  # layers per chunk
     ahead, back = rings(p)
-    on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, depth))
+    on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v * depth))
     manual = tuple(a for a in (axis, batch_axis, seq_axis) if a is not None)
     others = tuple(a for a in manual if a != axis)
     unrolled = unroll() or not scan
@@ -164,10 +214,11 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
         zeros = {k: _vary(jnp.zeros(v.shape, v.dtype), manual) for k, v in taps.items()}
         box = {}
 
-        def forward(x):
-            """The stage's layers from x: (y, [residuals stacked per layer], the projections'
+        def forward(x, c):
+            """Chunk c's layers from x: (y, [residuals stacked per layer], the projections'
             inputs stacked per layer)."""
-            def body(x, k):
+            def body(x, j):
+                k = c * depth + j
                 w = weights(k)
                 y, vjp_fn, inputs = jax.vjp(
                     lambda w, x, z: layer(w, x, consts, None if on is None else on[s, k], z),
@@ -179,14 +230,15 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
 
             return jax.lax.scan(body, x, jnp.arange(depth), unroll=unrolled)
 
-        def backward(ct, residuals, grads):
-            """B, last layer first: (the input's cotangent, the taps' cotangents stacked per
-            layer, `grads` with the norms' gradients added in place)."""
+        def backward(ct, residuals, c, grads):
+            """Chunk c's B, last layer first: (the input's cotangent, the taps' cotangents
+            stacked per layer, `grads` with the norms' gradients added in place)."""
             where, treedef = box["vjp"]
 
-            def body(carry, k):
+            def body(carry, j):
                 ct, grads = carry
-                stashed = [jax.lax.dynamic_index_in_dim(r, k, 0, False) for r in residuals]
+                k = c * depth + j
+                stashed = [jax.lax.dynamic_index_in_dim(r, j, 0, False) for r in residuals]
                 d_w, dx, d_taps = rebuild(treedef, where, stashed, (weights(k), consts, zeros))(ct)
                 grads = _add_at(grads, d_w, k, lambda path: not _is_projection(path, projections))
                 return (dx, grads), d_taps
@@ -195,10 +247,11 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
                                                unroll=unrolled)
             return dx, d_taps, grads
 
-        def weight_grads(inputs, d_taps, grads):
-            """W: each layer's projection weights' gradient, added in place."""
-            def body(grads, k):
-                pick = lambda a: jax.lax.dynamic_index_in_dim(a, k, 0, False)  # noqa: E731
+        def weight_grads(inputs, d_taps, c, grads):
+            """Chunk c's W: each layer's projection weights' gradient, added in place."""
+            def body(grads, j):
+                k = c * depth + j
+                pick = lambda a: jax.lax.dynamic_index_in_dim(a, j, 0, False)  # noqa: E731
                 d_w = projection_grads(weights(k), jax.tree.map(pick, inputs),
                                        jax.tree.map(pick, d_taps))
                 return _add_at(grads, d_w, k, lambda path: _is_projection(path, projections)), None
@@ -207,7 +260,7 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
 
         # stash buffers shaped by one traced forward: residuals (or the input alone under
         # stage remat), projection inputs and taps' cotangents, each [stash_slots, depth, ...]
-        _, (res_shapes, in_shapes) = jax.eval_shape(forward, x0)
+        _, (res_shapes, in_shapes) = jax.eval_shape(lambda x: forward(x, 0), x0)
         if stage_remat:
             res_shapes, box["varying"] = [jax.ShapeDtypeStruct(x0.shape, x0.dtype)], [
                 _varying(jax.typeof(x0))]
@@ -251,55 +304,57 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
                     jax.tree.map(jnp.zeros_like, g_head0) if d_head is None else d_head,
                     jnp.zeros_like(total0) if total is None else total, pick(dy, box_x))
 
-        def op_forward(i, x, ct, held):
-            y, (residuals, inputs) = forward(x)
-            total, dy, d_head = head_grads(loss, head, labels, y, i, s == p - 1, manual)
+        def op_forward(i, c, x, ct, held):
+            y, (residuals, inputs) = forward(x, c)
+            total, dy, d_head = head_grads(loss, head, labels, y, i, (s == p - 1) & (c == v - 1),
+                                           manual)
             return result(y=y, residuals=[x] if stage_remat else residuals,
                           inputs=None if stage_remat else inputs, d_head=d_head, total=total,
                           dy=dy)
 
-        def op_backward(i, x, ct, held):
+        def op_backward(i, c, x, ct, held):
             residuals, inputs = held[0], None
-            if stage_remat:  # the forward again, from the stage's input
-                _, (residuals, inputs) = forward(residuals[0])
-            dx, d_taps, d_stack = backward(ct, residuals, g_zero_fn())
+            if stage_remat:  # the forward again, from the chunk's input
+                _, (residuals, inputs) = forward(residuals[0], c)
+            dx, d_taps, d_stack = backward(ct, residuals, c, g_zero_fn())
             return result(dx=dx, inputs=inputs, d_taps=d_taps, d_stack=d_stack)
 
-        def op_weight(i, x, ct, held):
-            return result(d_stack=weight_grads(held[1], held[2], g_zero_fn()))
+        def op_weight(i, c, x, ct, held):
+            return result(d_stack=weight_grads(held[1], held[2], c, g_zero_fn()))
 
-        def op_idle(i, x, ct, held):
+        def op_idle(i, c, x, ct, held):
             return result()
-
-        kind_t, mb_t, got_x_t, got_ct_t, put_t, keep_t = tables
 
         def slot(carry, t):
             buffers, belt, dbelt, dx_out = carry
             inbox_x, inbox_ct, stash_, inputs_, taps_, g_stack, g_head, total = buffers
-            kind, i = kind_t[t, s], jnp.maximum(mb_t[t, s], 0)
-            at, box = i % stash_slots, i % inbox_slots
-            j = put_t[t, s]  # this stage puts its microbatch j p + s on the input belt
+            row = dict(zip(FIELDS, rows[t, s]))
+            kind, i, c = row["kind"], jnp.maximum(row["mb"], 0), jnp.maximum(row["chunk"], 0)
+            at = jnp.maximum(row["stash"], 0)
+            j = row["put"]  # this stage puts its microbatch j p + s on the input belt
             mine = jax.lax.dynamic_index_in_dim(x_in, jnp.maximum(j, 0), 1, keepdims=False)
             belt = _select(j >= 0, mine, belt)
-            x = _select(s == 0, belt, get(inbox_x, box))
+            x = _select(row["x_at"] < 0, belt, get(inbox_x, jnp.maximum(row["x_at"], 0)))
             held = (get(stash_, at), get(inputs_, at), get(taps_, at))
             (y, dx, residuals, inputs, d_taps, d_stack, d_head, loss_i, dy) = jax.lax.switch(
-                kind, [op_idle, op_forward, op_backward, op_weight], i, x, get(inbox_ct, box),
-                held)
+                kind, [op_idle, op_forward, op_backward, op_weight], i, c, x,
+                get(inbox_ct, jnp.maximum(row["ct_at"], 0)), held)
             stash_ = put_if(kind == FORWARD, stash_, at, residuals)
             inputs_ = put_if(kind == (BACKWARD if stage_remat else FORWARD), inputs_, at, inputs)
             taps_ = put_if(kind == BACKWARD, taps_, at, d_taps)
             g_stack = jax.tree.map(jnp.add, g_stack, d_stack)
             g_head = jax.tree.map(jnp.add, g_head, d_head)
-            inbox_ct = _store_if((kind == FORWARD) & (s == p - 1), inbox_ct, box, dy, 0)
+
+            def store(buffer, where, value):  # into slot `where` of an inbox, if >= 0
+                return _store_if(where >= 0, buffer, jnp.maximum(where, 0), value, 0)
+
+            inbox_ct = store(inbox_ct, row["dy_to"], dy)
             y, ct = jax.lax.ppermute(y, axis, ahead), jax.lax.ppermute(dx, axis, back)
-            got = got_x_t[t, s]
-            inbox_x = _store_if(got >= 0, inbox_x, jnp.maximum(got, 0) % inbox_slots, y, 0)
-            got = got_ct_t[t, s]
-            inbox_ct = _store_if(got >= 0, inbox_ct, jnp.maximum(got, 0) % inbox_slots, ct, 0)
-            # stage 0's B gave microbatch i's input gradient: onto the belt to its stage
-            dbelt = _select((s == 0) & (kind == BACKWARD), dx, dbelt)
-            keep = keep_t[t, s]
+            inbox_x, inbox_ct = store(inbox_x, row["x_to"], y), store(inbox_ct, row["ct_to"], ct)
+            # stage 0's B of its first chunk gave microbatch i's input gradient: onto the belt
+            # to its stage
+            dbelt = _select((s == 0) & (kind == BACKWARD) & (c == 0), dx, dbelt)
+            keep = row["keep"]
             dx_out = _store_if(keep >= 0, dx_out, jnp.maximum(keep, 0), dbelt, 1)
             buffers = (inbox_x, inbox_ct, stash_, inputs_, taps_, g_stack, g_head,
                        total + loss_i)
@@ -309,13 +364,14 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
         def g_zero_fn():
             return jax.tree.map(lambda a: _vary(jnp.zeros_like(a, jnp.float32), manual), stack)
 
-        small = (jnp.zeros((inbox_slots,) + x0.shape, x0.dtype), g_zero_fn(),
+        small = (jnp.zeros((table.x_slots,) + x0.shape, x0.dtype),
+                 jnp.zeros((table.ct_slots,) + x0.shape, x0.dtype), g_zero_fn(),
                  jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(x0, jnp.float32, shape=()),
                  x0, x0, jnp.zeros_like(x_in))
-        box_x, g_zero, g_head0, total0, belt, dbelt, dx_out = jax.tree.map(
+        box_x, box_ct, g_zero, g_head0, total0, belt, dbelt, dx_out = jax.tree.map(
             lambda a: _vary(a, manual), small)
-        buffers = (box_x, box_x, stash, inputs_stash, taps_stash, g_zero, g_head0, total0)
-        carry = jax.lax.scan(slot, (buffers, belt, dbelt, dx_out), jnp.arange(n_slots),
+        buffers = (box_x, box_ct, stash, inputs_stash, taps_stash, g_zero, g_head0, total0)
+        carry = jax.lax.scan(slot, (buffers, belt, dbelt, dx_out), jnp.arange(len(table.rows)),
                              unroll=unroll())[0]
         buffers, _, _, dx_out = carry
         return stage_results(*buffers[5:], dx_out, manual, axis)

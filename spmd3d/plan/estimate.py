@@ -108,7 +108,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     elif s.kind == "1f1b":
         fwd = bwd = (s.repeats * s.microbatches + s.stages - 1) * chunk
     else:
-        fwd = bwd = s.microbatches * chunk
+        fwd = bwd = s.repeats * s.microbatches * chunk
     # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
     restage = bwd * (redone(plan) - (1 if remat == "full" else 0))
 

@@ -119,9 +119,8 @@ def working_terms(plan) -> dict:
         wrap = plan.schedule.repeats > 1 and plan.schedule.kind == "gpipe"  # circular GPipe
         inboxes = 0
         if plan.schedule.kind == "zb_h1":  # activations and cotangents waiting for their op
-            from ..pipeline.zero_bubble import zb_h1_table
-
-            inboxes = 2 * zb_h1_table(plan.schedule.stages, micro)[1]
+            table = plan.schedule.table()
+            inboxes = table.x_slots + table.ct_slots
         buffers = (2 * slots + 2 + inboxes + (micro if wrap else 0)) * row * m.d_model
         tokens = slots * row
     piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)

@@ -21,7 +21,8 @@ from . import Plan, estimate
 FIT = 0.9  # of a device's memory a layout may plan for: the rest is the runtime's (CUDA
 # context, NCCL buffers, the allocator's fragmentation)
 REMATS = ("none", "save_dots", "full", "stage")  # least recompute first
-SCHEDULES = (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4), ("zb_h1", 1))
+SCHEDULES = (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4), ("zb_h1", 1),
+             ("zb_h1", 2))
 
 
 def _divisors(n: int) -> list[int]:
