@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .pipeline import unroll
+from .pipeline import _vary, _varying, unroll
 
 F32 = jnp.float32
 
@@ -90,22 +90,35 @@ def _step_update(acc, q, k, v, src, i, scale):
     return jax.lax.cond(src < i, early, late, acc)
 
 
-def _forward(q, k, v, axis, n):
+def _sources(k, v, axis, n, gather: bool):
+    """(K/V of the first remote step, step(kv, j) -> (K/V of step j's source, what to carry)):
+    on a ring the blocks travel, one `ppermute` per step issued before the compute it
+    overlaps; gathered, every device's block is at hand and step j slices source (i - j) mod n
+    out of the sequence's K/V."""
+    if not gather:
+        shift = [(d, (d + 1) % n) for d in range(n)]
+        return jax.lax.ppermute((k, v), axis, shift), lambda kv, j: (
+            kv, jax.lax.ppermute(kv, axis, shift))
+    i, t = jax.lax.axis_index(axis), k.shape[1]
+    every = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v)]
+    return (), lambda kv, j: (tuple(jax.lax.dynamic_slice_in_dim(x, (i - j) % n * t, t, 1)
+                                    for x in every), kv)
+
+
+def _forward(q, k, v, axis, n, gather=False):
     i = jax.lax.axis_index(axis)
     scale = q.shape[-1] ** -0.5
-    shift = [(d, (d + 1) % n) for d in range(n)]
-    kv = (k, v)
-    nxt = jax.lax.ppermute(kv, axis, shift)  # in flight while the local block computes
+    first, step = _sources(k, v, axis, n, gather)  # the first shift in flight meanwhile
     acc = _block_fwd(q, k, v, scale, _local_mask(q.shape[1], i, n))
 
     def body(carry, j):
         acc, kv = carry
-        nxt = jax.lax.ppermute(kv, axis, shift)  # issued before the compute it overlaps
-        acc = _step_update(acc, q, kv[0], kv[1], (i - j) % n, i, scale)
-        return (acc, nxt), None
+        here, kv = step(kv, j)
+        acc = _step_update(acc, q, here[0], here[1], (i - j) % n, i, scale)
+        return (acc, kv), None
 
     if n > 1:
-        (acc, _), _ = jax.lax.scan(body, (acc, nxt), jnp.arange(1, n), unroll=unroll())
+        (acc, _), _ = jax.lax.scan(body, (acc, first), jnp.arange(1, n), unroll=unroll())
     o, m, l = acc
     out = (o / _rows(l)).astype(q.dtype)
     return out, m + jnp.log(l)  # log-sum-exp per row, for the backward
@@ -125,63 +138,93 @@ def _block_bwd(q, k, v, do, lse, delta, scale, mask=None):
     return dq, dk, dv
 
 
-def _backward(q, k, v, out, lse, do, axis, n):
+def _step_grads(q, k, v, do, lse, delta, src, i, scale, grads):
+    """(dq, dk, dv) with the visible half-block of a step with K/V from `src` (src != i)."""
+
+    def early(grads):  # src < i: all queries, first K/V chunk
+        dq, dk, dv = grads
+        (k1, _), (v1, _) = _halves(k, 1), _halves(v, 1)
+        a, b, c = _block_bwd(q, k1, v1, do, lse, delta, scale)
+        (dk1, dk2), (dv1, dv2) = _halves(dk, 1), _halves(dv, 1)
+        return dq + a, jnp.concatenate([dk1 + b, dk2], 1), jnp.concatenate([dv1 + c, dv2], 1)
+
+    def late(grads):  # src > i: second query chunk, all K/V
+        dq, dk, dv = grads
+        (_, q2), (_, do2) = _halves(q, 1), _halves(do, 1)
+        (_, lse2), (_, delta2) = _halves(lse, 3), _halves(delta, 3)
+        a, b, c = _block_bwd(q2, k, v, do2, lse2, delta2, scale)
+        dq1, dq2 = _halves(dq, 1)
+        return jnp.concatenate([dq1, dq2 + a], 1), dk + b, dv + c
+
+    return jax.lax.cond(src < i, early, late, grads)
+
+
+def _backward(q, k, v, out, lse, do, axis, n, gather=False):
     i = jax.lax.axis_index(axis)
     scale = q.shape[-1] ** -0.5
-    shift = [(d, (d + 1) % n) for d in range(n)]
     delta = jnp.moveaxis(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 3)  # [B,K,G,T]
-
     dq, dk, dv = _block_bwd(q, k, v, do, lse, delta, scale, _local_mask(q.shape[1], i, n))
+    if n == 1:
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    steps = jnp.arange(1, n)
+    if not gather:  # K/V and their gradients move on together: after n shifts dK/dV are home
+        shift = [(d, (d + 1) % n) for d in range(n)]
 
-    def body(carry, j):
-        dq, (k, v, dk, dv) = carry
-        src = (i - j) % n
+        def body(carry, j):
+            dq, (k, v, dk, dv) = carry
+            dq, dk, dv = _step_grads(q, k, v, do, lse, delta, (i - j) % n, i, scale,
+                                     (dq, dk, dv))
+            return (dq, jax.lax.ppermute((k, v, dk, dv), axis, shift)), None
 
-        def early(args):
-            dq, dk, dv = args
-            (k1, _), (v1, _) = _halves(k, 1), _halves(v, 1)
-            a, b, c = _block_bwd(q, k1, v1, do, lse, delta, scale)
-            (dk1, dk2), (dv1, dv2) = _halves(dk, 1), _halves(dv, 1)
-            return dq + a, jnp.concatenate([dk1 + b, dk2], 1), jnp.concatenate([dv1 + c, dv2], 1)
+        travelling = jax.lax.ppermute((k, v, dk, dv), axis, shift)
+        (dq, travelling), _ = jax.lax.scan(body, (dq, travelling), steps, unroll=unroll())
+        _, _, dk, dv = travelling
+    else:  # the sequence's K/V gathered again, its gradients summed back to their devices
+        _, fetch = _sources(k, v, axis, n, gather=True)
+        t = k.shape[1]
+        d_all = [_vary(jnp.zeros(x.shape[:1] + (n * t,) + x.shape[2:], F32),
+                       _varying(jax.typeof(x))) for x in (dk, dv)]
 
-        def late(args):
-            dq, dk, dv = args
-            (_, q2), (_, do2) = _halves(q, 1), _halves(do, 1)
-            (_, lse2), (_, delta2) = _halves(lse, 3), _halves(delta, 3)
-            a, b, c = _block_bwd(q2, k, v, do2, lse2, delta2, scale)
-            dq1, dq2 = _halves(dq, 1)
-            return jnp.concatenate([dq1, dq2 + a], 1), dk + b, dv + c
+        def body(carry, j):
+            dq, d_all = carry
+            (k_j, v_j), _ = fetch((), j)
+            at = (i - j) % n * t
+            held = [jax.lax.dynamic_slice_in_dim(a, at, t, 1) for a in d_all]
+            dq, dk_j, dv_j = _step_grads(q, k_j, v_j, do, lse, delta, (i - j) % n, i, scale,
+                                         (dq, *held))
+            d_all = [jax.lax.dynamic_update_slice_in_dim(a, g, at, 1)
+                     for a, g in zip(d_all, (dk_j, dv_j))]
+            return (dq, d_all), None
 
-        dq, dk, dv = jax.lax.cond(src < i, early, late, (dq, dk, dv))
-        return (dq, jax.lax.ppermute((k, v, dk, dv), axis, shift)), None
-
-    # K/V and their gradients move on together: after n shifts dK/dV are home
-    travelling = jax.lax.ppermute((k, v, dk, dv), axis, shift)
-    if n > 1:
-        (dq, travelling), _ = jax.lax.scan(body, (dq, travelling), jnp.arange(1, n),
-                                           unroll=unroll())
-    _, _, dk, dv = travelling
+        (dq, d_all), _ = jax.lax.scan(body, (dq, d_all), steps, unroll=unroll())
+        dk, dv = (own + jax.lax.psum_scatter(a, axis, scatter_dimension=1, tiled=True)
+                  for own, a in zip((dk, dv), d_all))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def gathered_attention_local(q, k, v, axis: str, n: int):
     """Per-device causal attention of the local queries (two zig-zag chunks) against the whole
     sequence's K/V, gathered over `axis` (n devices): all-gather context parallelism, as
     LLaMA 3 was trained. Every collective is a gather over the seq group (and, in the backward,
-    its transpose, a reduce-scatter of dK/dV), never a permute: it can run inside a per-stage
-    branch (ZB-H1's), where XLA:CPU rendezvouses a collective-permute with every device of the
-    program, so a ring there deadlocks. Scores and softmax in fp32; it scores every key, the
-    masked ones too (twice the ring's score FLOPs, whose zig-zag steps skip them), and holds the
-    gathered K/V and [T_local, T] scores per layer."""
-    t = q.shape[1]
-    keys = zigzag_order(n * t, n)  # the global position of each gathered key (static)
-    mine = jax.lax.dynamic_slice_in_dim(jnp.asarray(keys), jax.lax.axis_index(axis) * t, t)
-    k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
-    v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-    s = _scores(q, k_all, q.shape[-1] ** -0.5)
-    s = jnp.where(mine[:, None] >= jnp.asarray(keys)[None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", p, v_all)
+    the gather again and a reduce-scatter of dK/dV), never a permute: it can run inside a
+    per-stage branch (ZB-H1's), where XLA:CPU rendezvouses a collective-permute with every
+    device of the program, so a ring there deadlocks. The blocks are the ring's, in its order
+    and with its online softmax: each step scores the visible half-block of one device's K/V,
+    never a masked one, and keeps [T_local, T/n] scores at a time, not [T_local, T]."""
+    return _forward(q, k, v, axis, n, gather=True)[0]
+
+
+def _gathered_fwd(q, k, v, axis, n):
+    out, lse = _forward(q, k, v, axis, n, gather=True)
+    return out, (q, k, v, out, lse)
+
+
+def _gathered_bwd(axis, n, res, do):
+    return _backward(*res, do, axis, n, gather=True)
+
+
+gathered_attention_local.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -60,7 +60,11 @@ def test_zb_h1_with_the_sequence_split_gathers_kv_and_other_schedules_ring():
 
 def test_gathered_attention_is_causal_attention_over_the_whole_sequence():
     """Per device of a 4-way seq group: its zig-zag queries against the gathered K/V give the
-    rows of dense causal attention at those positions, and so do the gradients."""
+    rows of dense causal attention at those positions, and so do the gradients. It scores
+    the ring's blocks, one device's keys at a time: no [T_local, T] score matrix is ever
+    formed, forward or backward (scoring the whole gathered sequence at once did)."""
+    import re
+
     from jax.sharding import PartitionSpec as P
 
     from spmd3d.ring import gathered_attention_local, zigzag_order
@@ -79,7 +83,11 @@ def test_gathered_attention_is_causal_attention_over_the_whole_sequence():
         return jnp.sum(jnp.sin(f(q, k, v)))
 
     zig = lambda a: a[:, order]  # noqa: E731
-    got = jax.value_and_grad(lambda *a: loss(gathered, *map(zig, a)), argnums=(0, 1, 2))(q, k, v)
+    step = jax.jit(jax.value_and_grad(lambda *a: loss(gathered, *map(zig, a)), argnums=(0, 1, 2)))
+    got = step(q, k, v)
+    local = t // n  # [B, K, G, T_local, keys] scores: at most the device's own T_local keys
+    scores = re.findall(rf"f32\[2,2,2,(\d+),(\d+)\]", step.lower(q, k, v).compile().as_text())
+    assert scores and max(int(b) for _, b in scores) == local, set(scores)
     want = jax.value_and_grad(lambda *a: loss(causal_attention, *a), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):

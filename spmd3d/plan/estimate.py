@@ -38,7 +38,7 @@ def flops(plan) -> dict:
     cfg, s, n = plan.cfg, plan.schedule, plan.num_devices
     m, t, remat = cfg.model, cfg.train.seq_len, cfg.parallel.remat
     tokens = cfg.train.global_batch * t / n
-    keys = 0.5 * t if plan.attention in ("cudnn", "ring") else _keys_per_query(plan)
+    keys = 0.5 * t if plan.attention in ("cudnn", "ring", "gather") else _keys_per_query(plan)
     matmul_fwd = 2 * m.num_layers * m.layer_params  # per token, one forward of the layers
     attention_fwd = 4 * m.num_layers * m.num_heads * m.dim_per_head * keys
     redo = redone(plan)  # save_dots keeps the matmuls' results, not the scores
@@ -141,8 +141,10 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # with n = 2 the one-step loops are inlined and their last shifts of K and V dropped
     kv = n * w.kv * c
     if q > 1 and plan.attention == "gather":  # ZB-H1: the whole sequence's K and V gathered
-        add("K, V gathered", "gather", ("seq",), 2 * q * kv, fwd * (1 + redone(plan)))
-        add("dK, dV reduce-scattered", "reduce-scatter", ("seq",), 2 * q * kv, bwd)
+        # again in the backward (a layer's recompute reuses that gather, a stage's does not),
+        # their fp32 gradients reduce-scattered
+        add("K, V gathered", "gather", ("seq",), 2 * q * kv, fwd + restage + bwd)
+        add("dK, dV reduce-scattered", "reduce-scatter", ("seq",), 2 * q * n * w.kv * F32, bwd)
     elif q > 1:
         shifts = (q if q > 2 else 1) * fwd + (q - 1 if q > 2 else 0) * (fwd * redone(plan))
         add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - (q == 2)) * bwd)

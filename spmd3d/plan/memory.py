@@ -158,10 +158,8 @@ def _keys_per_query(plan) -> float:
     t, seq = plan.cfg.train.seq_len, plan.mesh.shape["seq"]
     if plan.attention == "cudnn":
         return 0.0
-    if plan.attention == "ring":  # each ring step scores a query against one device's keys
+    if plan.attention in ("ring", "gather"):  # a step scores a query against one device's keys
         return t / seq
-    if plan.attention == "gather":  # every key of the sequence, the masked ones too
-        return t
     return t * computed_fraction(t)
 
 
@@ -218,6 +216,8 @@ def activation_bytes(plan) -> dict:
     working = layer_working(w, inner, c)
     if whole:  # the pass being recomputed keeps what its layers' policy saves
         working += (layers if s is None else chunk) * layer_saved(w, inner, c)
+    if plan.attention == "gather":  # the sequence's K/V gathered, their fp32 gradients
+        working += 2 * plan.mesh.shape["seq"] * w.kv * (c + F32)
     # ZB-H1's W waits for its projections' inputs and output gradients
     w_stash = chunk * c * (4 * w.d_full + 2 * w.q + 2 * w.kv + 3 * w.f) * n
     return {"saved_activations": int(passes * per_pass * n), "layer_working": int(working * n),
