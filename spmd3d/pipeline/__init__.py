@@ -63,8 +63,8 @@ class Schedule:
         return v * m + p - 1
 
     def table(self):
-        """ZB-H1's operations and buffer slots (`zero_bubble.zb_table`)."""
-        from .zero_bubble import zb_table
+        """ZB-H1's operations and buffer slots (`zb_table.zb_table`)."""
+        from .zb_table import zb_table
 
         return zb_table(self.stages, self.microbatches, self.repeats)
 
