@@ -58,6 +58,12 @@ def test_real_widths_compile_to_the_counted_bytes(zero):
     assert abs(kind["optimizer_state"] - moments) < 0.02 * moments
     assert abs(kind["gradients"] - grads) < 0.02 * grads
     assert c["temp_bytes"] > grads and r["needed_bytes"] == c["argument_bytes"] + c["temp_bytes"]
+    # the planner's temporaries for what was compiled: GPipe's backward (autodiff of its tick
+    # loop) holds each tick's fresh fp32 gradient of the stage's layers beside the accumulator,
+    # a peak the d_model 1024 layouts of test_estimate never reach (their loss's is higher).
+    # Measured: 0.81 (ZeRO-1), 0.90 (ZeRO-3); without that gradient 0.53 and 0.68
+    analytic = r["estimate_of_compiled"]["memory"]["temp_bytes"]
+    assert 0.75 < analytic / c["temp_bytes"] < 1.1, analytic / c["temp_bytes"]
     # every collective runs over the axes the layout says: data (gradients, ZeRO), stage
     # (the pipeline's shift), tensor (Megatron)
     axes = {tuple(x["axes"]) for x in r["collectives"]}

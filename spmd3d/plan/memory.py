@@ -95,11 +95,15 @@ def gathered_layers(plan) -> int:
     if not (plan.schedule and plan.rules.params_over_batch
             and plan.cfg.parallel.zero3_gather == "step"):
         return 0
+    return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
+
+
+def stage_layers(plan) -> int:
+    """Elements of the layers a device computes with (its compute shard)."""
     mesh = dict(plan.mesh.shape)
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
-    n = sum(shard_size(s, names, plan.rules.compute, mesh)
-            for k, (s, names) in shapes.items() if k.startswith("blocks/"))
-    return n * (itemsize(plan.cfg.model.param_dtype) + F32)
+    return sum(shard_size(s, names, plan.rules.compute, mesh)
+               for k, (s, names) in shapes.items() if k.startswith("blocks/"))
 
 
 def working_terms(plan) -> dict:
@@ -248,6 +252,9 @@ def memory(plan) -> dict:
         peak = 2 * loss + layer + kinds["w_stash"]
     elif s is not None and s.kind == "1f1b":  # a tick runs a forward (the head's too) and a backward
         peak = loss + layer
+    elif s is not None:  # GPipe's backward, autodiff of its tick loop: each tick hands back a
+        # fresh fp32 gradient of the stage's layers beside the accumulator
+        peak = max(loss, layer + stage_layers(plan) * F32)
     else:
         peak = max(loss, layer)
     del kinds["w_stash_per_pass"]  # a factor, not a kind
