@@ -96,7 +96,7 @@ class Schedule:
         """Passes whose residuals the first stage keeps at once: all m microbatches under
         GPipe (v m chunk passes when circular); in 1F1B's lockstep ticks a microbatch's backward
         reaches stage s 2(p - 1 - s) ticks after its forward, so stage 0 keeps 2p - 1 (or m,
-        if, fewer); interleaved, 2 v p - 1 chunk passes, each 1/v of the stage's layers. ZB-H1
+        if fewer); interleaved, 2 v p - 1 chunk passes, each 1/v of the stage's layers. ZB-H1
         keeps a pass from its forward to its W: min(p, m) microbatches, v p chunk passes
         interleaved (its table's peak)."""
         p, m, v = self.stages, self.microbatches, self.repeats
