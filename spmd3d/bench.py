@@ -63,7 +63,7 @@ def measure_bubble(cfg: Config) -> dict:
     """
     import jax
 
-    from .pipeline import unrolled_loops
+    from .manual import unrolled_loops
     from .plan import Plan
     from .runtime import setup
 

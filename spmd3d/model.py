@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .attention import causal_attention
 from .config import ModelConfig, compute_dtype
-from .pipeline import unroll
+from .manual import psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
 from .taps import Taps
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
@@ -88,9 +88,8 @@ def head_logits(x_nd, w_dv):
     """x[N, D] @ w[D, V] -> fp32 logits, and a backward whose two matmuls run in the operands'
     dtype (fp32 accumulation), the fp32 cotangent cast down first, as Megatron does. Autodiff
     would contract the fp32 cotangent with the bf16 operands: XLA then upcasts the [D, V]
-    weights for every loss piece and runs both matmuls in fp32 (TF32 on a GPU). On one H100,
-    LLaMA-3.2-1B shape, vocab 128k: 57 of 351 ms a step were those fp32 matmuls. With fp32
-    compute (the tests) it is autodiff's computation exactly."""
+    weights for every loss piece and runs both matmuls in fp32 (TF32 on a GPU; measured in
+    docs/benchmarks.md). With fp32 compute (the tests) it is autodiff's computation exactly."""
     return jnp.einsum("nd,dv->nv", x_nd, w_dv, preferred_element_type=jnp.float32)
 
 
@@ -142,12 +141,13 @@ def embed_lookup(table_vd, ids_bt):
         return jnp.take(table_vd, ids_bt, axis=0)
 
     def lookup(table, ids):
+        table = vary(table, batch)  # its gradient summed over the batch shards (in fp32)
         v = table.shape[0]
         local = ids - jax.lax.axis_index(axis) * v
         mine = ((local >= 0) & (local < v)).astype(table.dtype)[..., None]
         # a product with a [B, T, 1] mask: the backward keeps that and the ids, no [B, T, D]
         rows = jnp.take(table, jnp.clip(local, 0, v - 1), axis=0) * mine
-        return jax.lax.psum(rows, axis)
+        return psum(rows, axis)
 
     return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P(rows, cols)),
                          out_specs=P(rows, cols, None), axis_names={axis, *batch})(table_vd, ids_bt)
@@ -376,9 +376,9 @@ class Transformer(nnx.Module):
         inner = layout.compute.with_(batch=None, length=None, res_length=None)
 
         def per_device(x, labels, scale, head):
-            scale, head = jax.lax.pcast((scale, head), manual, to="varying")
+            scale, head = vary(scale, manual), vary(head, manual)  # head: its gradient summed in fp32
             with activation_rules(inner, None):
-                return jax.lax.psum(local(x, labels, scale, head), manual)
+                return psum(local(x, labels, scale, head), manual)
 
         total = jax.shard_map(per_device, mesh=mesh, axis_names=set(manual),
                               in_specs=(P(rows, cols, None), P(rows, cols), P(), P()),

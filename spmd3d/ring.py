@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .pipeline import _vary, _varying, unroll
+from .manual import unroll, vary, varying
 
 F32 = jnp.float32
 
@@ -182,8 +182,8 @@ def _backward(q, k, v, out, lse, do, axis, n, gather=False):
     else:  # the sequence's K/V gathered again, its gradients summed back to their devices
         _, fetch = _sources(k, v, axis, n, gather=True)
         t = k.shape[1]
-        d_all = [_vary(jnp.zeros(x.shape[:1] + (n * t,) + x.shape[2:], F32),
-                       _varying(jax.typeof(x))) for x in (dk, dv)]
+        d_all = [vary(jnp.zeros(x.shape[:1] + (n * t,) + x.shape[2:], F32),
+                       varying(jax.typeof(x))) for x in (dk, dv)]
 
         def body(carry, j):
             dq, d_all = carry

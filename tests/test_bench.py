@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from spmd3d import config as config_lib
-from spmd3d import hlo, profile
+from spmd3d import hlo, manual, profile
 from spmd3d.bench import format_report, main, measure_attention, measure_checkpoint, run_bench
 
 TINY = ["model.num_layers=1", "model.d_model=64", "model.num_kv_heads=4", "model.d_ff=128",
@@ -163,7 +163,7 @@ def test_model_flops_match_the_compiled_step():
     so counting it in full (PaLM's 12 L H Q T) or not at all would miss."""
     import jax
 
-    from spmd3d import attention, pipeline
+    from spmd3d import attention
     from spmd3d.metrics import flops_per_token
     from spmd3d.runtime import setup
 
@@ -173,7 +173,7 @@ def test_model_flops_match_the_compiled_step():
         "model.d_ff=1024", "model.vocab_size=512", f"train.seq_len={t}", "train.global_batch=2",
         "mesh.data=1", "mesh.tensor=1", "mesh.simulated_devices=0", "parallel.zero_stage=0",
         "parallel.scan_layers=false", "parallel.loss_chunk=0"])
-    with pipeline.unrolled_loops():
+    with manual.unrolled_loops():
         compiled, _ = setup(cfg, jax.devices()[:1]).compile()
     analysis = compiled.cost_analysis()
     measured = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]

@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 
 from helpers import (assert_grads_match, assert_losses_match, devices_for, reference_run,
                      small_config)
-from spmd3d import hlo, pipeline, runtime
+from spmd3d import hlo, manual, runtime
 from spmd3d.ring import _block_fwd, ring_attention
 
 L4 = ["model.num_layers=4"]
@@ -69,7 +69,7 @@ def test_zigzag_ring_computes_about_half_the_blocks():
     kv = jax.ShapeDtypeStruct((b, t, k, h), jnp.float32)
 
     def flops(f, *args):
-        with pipeline.unrolled_loops():
+        with manual.unrolled_loops():
             analysis = jax.jit(f).lower(*args).compile().cost_analysis()
         return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 

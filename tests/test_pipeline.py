@@ -9,7 +9,7 @@ import pytest
 
 from helpers import (assert_grads_match, assert_losses_match, devices_for, first_grads,
                      reference_run, small_config)
-from spmd3d import hlo, pipeline, runtime
+from spmd3d import hlo, manual, runtime
 from spmd3d.pipeline import Schedule, layer_order
 
 L4 = ["model.num_layers=4"]
@@ -141,7 +141,7 @@ def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
 def per_device_flops(layers, extra=(), **kw):
     c = cfg(**kw, extra=[f"model.num_layers={layers}", *extra])
     job = runtime.setup(c, devices_for(c))
-    with pipeline.unrolled_loops():  # cost analysis counts a loop body once
+    with manual.unrolled_loops():  # cost analysis counts a loop body once
         compiled, _ = job.compile()
     analysis = compiled.cost_analysis()
     return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]

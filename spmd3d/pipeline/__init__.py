@@ -16,31 +16,13 @@ are stored in, and the per-device helpers both schedules use.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-import contextvars
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_UNROLL = contextvars.ContextVar("spmd3d_unroll", default=False)
-
-
-@contextmanager
-def unrolled_loops(on: bool = True):
-    """Trace the tick and layer scans fully unrolled: XLA's cost analysis counts a loop body
-    once, so FLOP checks of a schedule need the loops unrolled (tests only: slow to compile)."""
-    token = _UNROLL.set(on)
-    try:
-        yield
-    finally:
-        _UNROLL.reset(token)
-
-
-def unroll() -> bool:
-    return _UNROLL.get()
-
+from ..manual import psum, select, vary
 
 @dataclass(frozen=True)
 class Schedule:
@@ -198,31 +180,7 @@ def next_input(x_in, belt, t, period: int):
     takes p microbatches every p v ticks."""
     n = x_in.shape[1]
     mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // period, n - 1), 1, keepdims=False)
-    return _select(t % period == 0, mine, belt)
-
-
-def _varying(x) -> frozenset:
-    """The manual axes a traced value varies over (inside a shard_map)."""
-    vma = getattr(x, "manual_axis_type", None)
-    return frozenset(vma.varying) if vma is not None else frozenset(getattr(x, "vma", ()))
-
-
-def _vary(x, axes):
-    """`x` cast to varying over `axes` (those it does not vary over already)."""
-    todo = tuple(a for a in axes if a not in _varying(jax.typeof(x)))
-    return jax.lax.pcast(x, todo, to="varying") if todo else x
-
-
-def _select(pred, a, b):
-    """`a` where the scalar `pred` holds, else `b`: the predicate stays a scalar (jnp.where
-    would broadcast it, and the backward would keep that [mb, T, D] mask per tick)."""
-    return jax.tree.map(lambda x, y: jax.lax.select_n(pred, y, x), a, b)
-
-
-def _store_if(pred, buffer, slot, value, axis: int):
-    """`buffer` with `value` in `slot` along `axis` where `pred` holds, as it was elsewhere."""
-    old = jax.lax.dynamic_index_in_dim(buffer, slot, axis, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(buffer, _select(pred, value, old), slot, axis)
+    return select(t % period == 0, mine, belt)
 
 
 def split_residuals(vjp_fn, known):
@@ -247,7 +205,7 @@ def head_grads(loss, head, labels, y, i, last, manual):
     zeros."""
     m = labels.shape[0]
     lab = jax.lax.dynamic_index_in_dim(labels, jnp.clip(i, 0, m - 1), 0, keepdims=False)
-    lab = _vary(jnp.where((i >= 0) & (i < m), lab, -1), manual)  # -1: not counted
+    lab = vary(jnp.where((i >= 0) & (i < m), lab, -1), manual)  # -1: not counted
 
     def compute():
         total, vjp_fn = jax.vjp(lambda h, y: loss(h, y, lab), head, y)
@@ -266,9 +224,9 @@ def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str):
     gradients summed over the manual axes but the stage's (once, after the loop), the loss and
     head gradients over all of them."""
     others = tuple(a for a in manual if a != axis)
-    g_stack = jax.lax.psum(g_stack, others) if others else g_stack
-    return (jax.lax.psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-            jax.lax.psum(g_head, manual), dx_out[None])
+    g_stack = psum(g_stack, others) if others else g_stack
+    return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
+            psum(g_head, manual), dx_out[None])
 
 
 def run_stages(per_stage, blocks, head, x_in, labels, consts, axis: str, mesh, batch_axis,

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import Schedule, _select, _store_if, _vary, next_input, rings, unroll
+from ..manual import select, store_if, unroll, vary
+from . import Schedule, next_input, rings
 
 
 def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, active=None,
@@ -79,41 +80,40 @@ def run(blocks, x_in, consts, schedule: Schedule, axis: str, mesh, *, stage, act
         chunks, x_in = jax.tree.map(lambda a: a[0], chunks), x_in[0]
         n = x_in.shape[1]
         varying = tuple(a for a in (batch_axis, seq_axis) if a is not None)
-        if varying:
-            chunks = jax.lax.pcast(chunks, varying, to="varying")
+        chunks = jax.tree.map(lambda a: vary(a, varying), chunks)
         s = jax.lax.axis_index(axis)
         keep = jnp.asarray(schedule.collect())  # [n, p] microbatch kept at (slot, stage)
 
         def tick(carry, t):
             held, belt, slots, out = carry
             coming = next_input(x_in, belt[0], t, p)  # stage 0 finds microbatch t at tick t
-            inp = _select((s == 0) & (t < m), coming, held)
+            inp = select((s == 0) & (t < m), coming, held)
             if v > 1:  # later repeats: what came back from the last stage
                 again = jax.lax.dynamic_index_in_dim(slots, t % m, 0, keepdims=False)
-                inp = _select((s == 0) & (t >= m), again, inp)
+                inp = select((s == 0) & (t >= m), again, inp)
             r = jnp.clip((t - s) // m, 0, v - 1)  # this stage's repeat (chunk) at tick t
             y = run_stage(chunks, inp, r, consts)
             # the last stage finishes work item t - (p - 1); its last repeat goes on the belt
             done = t - (p - 1) - (v - 1) * m
-            going = _select((s == p - 1) & (done >= 0), y, belt[1])
+            going = select((s == p - 1) & (done >= 0), y, belt[1])
             # the belt holds what the last stage finished p - 1 - s ticks ago: kept if it is
             # the microbatch this stage collects
             i = done - (p - 1 - s)
             slot = jnp.clip((m - 1 - i) // p, 0, n - 1)
             ours = (i >= 0) & (i < m) & (keep[slot, s] == i)
-            out = _store_if(ours, out, slot, going, 1)
+            out = store_if(ours, out, slot, going, 1)
             belt = jax.lax.ppermute(jnp.stack([coming, going]), axis, back)
             held = jax.lax.ppermute(y, axis, ahead)
             if v > 1:  # stage 0 files what came back (work item w) for its next repeat
                 w = t - (p - 1)
                 file = (s == 0) & (w >= 0) & (w < (v - 1) * m)
-                slots = _store_if(file, slots, w % m, held, 0)
+                slots = store_if(file, slots, w % m, held, 0)
             return (held, belt, slots, out), None
 
         held = x_in[:, 0]
         carry = (held, jnp.stack([held, held]), jnp.zeros_like(held, shape=(m if v > 1 else 1,) +
                                                                held.shape), jnp.zeros_like(x_in))
-        carry = jax.tree.map(lambda a: _vary(a, [axis]), carry)
+        carry = jax.tree.map(lambda a: vary(a, [axis]), carry)
         (_, _, _, out), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks), unroll=unroll())
         return out[None]
 

@@ -49,8 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import (Schedule, _select, _store_if, _vary, _varying, head_grads, next_input, rebuild,
-               rings, run_stages, split_residuals, stage_results, unroll)
+from ..manual import select, store_if, unroll, vary, varying
+from . import (Schedule, head_grads, next_input, rebuild, rings, run_stages, split_residuals,
+               stage_results)
 
 
 def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mesh, *, layer,
@@ -96,8 +97,8 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
         n = x_in.shape[1]
         s = jax.lax.axis_index(axis)
         # device-varying before the loop: each tick's gradients stay local, summed once after
-        stack = jax.tree.map(lambda a: _vary(a, others), stack)
-        head = jax.tree.map(lambda a: _vary(a, manual), head)
+        stack = jax.tree.map(lambda a: vary(a, others), stack)
+        head = jax.tree.map(lambda a: vary(a, manual), head)
 
         def weights(k):  # layer k of the stage's stack, indexed where it is used
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, 0, False), stack)
@@ -114,7 +115,7 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
                 stashed, where = split_residuals(vjp_fn, (w, consts))
                 seen = box.setdefault("vjp", (where, jax.tree.structure(vjp_fn)))
                 assert seen[0] == where, "the layer's residuals changed between traces"
-                box["varying"] = [_varying(jax.typeof(r)) for r in stashed]
+                box["varying"] = [varying(jax.typeof(r)) for r in stashed]
                 return y, stashed
 
             return jax.lax.scan(body, x, jnp.arange(depth), unroll=unrolled)
@@ -142,9 +143,9 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
         x0 = x_in[:, 0]
         shapes = jax.eval_shape(lambda x: chunk_forward(x, 0)[1], x0)
         if stage_remat:
-            shapes, box["varying"] = [x0], [_varying(jax.typeof(x0))]
+            shapes, box["varying"] = [x0], [varying(jax.typeof(x0))]
         # each stash buffer varies over the mesh axes its residual does, and over stage
-        stash = [_vary(jnp.zeros((slots,) + r.shape, r.dtype), vma | {axis})
+        stash = [vary(jnp.zeros((slots,) + r.shape, r.dtype), vma | {axis})
                  for r, vma in zip(shapes, box["varying"])]
 
         def slot_of(i, c):  # the slot of microbatch i's forward of chunk c on this stage
@@ -160,14 +161,14 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
             w = t - span - s  # the tick it entered, if it entered then
             i = (w // big) * p + s
             ours = (w >= 0) & (w % big == s) & (i < m)
-            return _store_if(ours, dx_out, jnp.clip(w // big, 0, n - 1), dbelt, 1)
+            return store_if(ours, dx_out, jnp.clip(w // big, 0, n - 1), dbelt, 1)
 
         def tick(carry, t, fwd: bool, bwd: bool):
             held, ct_in, belt, dbelt, stash, dx_out, g_stack, g_head, total = carry
             if fwd:  # stage 0 takes a fresh microbatch for its first chunk (from the belt)
                 i, c = forward_at(t, s)
                 coming = next_input(x_in, belt, t, big)
-                x = _select((s == 0) & (c == 0), coming, held)
+                x = select((s == 0) & (c == 0), coming, held)
                 y, residuals = chunk_forward(x, c)
                 slot = t % slots if v > 1 else slot_of(t - s, 0)
                 stash = [jax.lax.dynamic_update_index_in_dim(b, r, slot, 0)
@@ -181,11 +182,11 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
                     l, dy, dh = head_grads(loss, head, labels, y, i, last, manual)
                     total = total + l
                     g_head = jax.tree.map(jnp.add, g_head, dh)
-                    ct = _select((s == p - 1) & (c_b == v - 1), dy, ct_in)
+                    ct = select((s == p - 1) & (c_b == v - 1), dy, ct_in)
                 # a bubble tick: a zero cotangent, so zero gradients, on the residuals of a
                 # microbatch this stage did run (never an unwritten slot: 0 x inf is nan)
                 valid = (i_b >= 0) & (i_b < m)
-                ct = _select(valid, ct, jnp.zeros_like(ct))
+                ct = select(valid, ct, jnp.zeros_like(ct))
                 slot = slot_of(jnp.clip(i_b, 0, m - 1), c_b)
                 stashed = [jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in stash]
                 if stage_remat:
@@ -194,7 +195,7 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
                 ct_in = jax.lax.ppermute(dx, axis, back)
                 # stage 0's dx of its first chunk is microbatch i_b's input gradient: onto
                 # the belt to its stage
-                dbelt = _select((s == 0) & (c_b == 0), dx, dbelt)
+                dbelt = select((s == 0) & (c_b == 0), dx, dbelt)
             if fwd:
                 held = jax.lax.ppermute(y, axis, ahead)
             dx_out = keep_input_grad(dbelt, dx_out, t)
@@ -204,7 +205,7 @@ def _train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, me
         g_stack = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), stack)
         carry = (x0, x0, x0, x0, jnp.zeros_like(x_in), g_stack,
                  jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(x0, jnp.float32, shape=()))
-        carry = jax.tree.map(lambda a: _vary(a, manual), carry)
+        carry = jax.tree.map(lambda a: vary(a, manual), carry)
         carry = carry[:4] + (stash,) + carry[4:]
 
         def phase(carry, begin, end, fwd, bwd):

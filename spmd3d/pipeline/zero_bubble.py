@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import (Schedule, _select, _store_if, _vary, _varying, head_grads, rebuild, rings,
-               run_stages, split_residuals, stage_results, unroll)
+from ..manual import select, store_if, unroll, vary, varying
+from . import (Schedule, head_grads, rebuild, rings, run_stages, split_residuals,
+               stage_results)
 from .zb_table import BACKWARD, FIELDS, FORWARD, zb_table
 
 
@@ -60,15 +61,15 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
     def per_stage(stack, head, x_in, labels, consts):
         stack, x_in = jax.tree.map(lambda a: a[0], stack), x_in[0]
         s = jax.lax.axis_index(axis)
-        stack = jax.tree.map(lambda a: _vary(a, others), stack)
-        head = jax.tree.map(lambda a: _vary(a, manual), head)
+        stack = jax.tree.map(lambda a: vary(a, others), stack)
+        head = jax.tree.map(lambda a: vary(a, manual), head)
         x0 = x_in[:, 0]
 
         def weights(k):
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, 0, False), stack)
 
         taps = tap_shapes(weights(0), x0, consts)
-        zeros = {k: _vary(jnp.zeros(v.shape, v.dtype), manual) for k, v in taps.items()}
+        zeros = {k: vary(jnp.zeros(v.shape, v.dtype), manual) for k, v in taps.items()}
         box = {}
 
         def forward(x, c):
@@ -82,7 +83,7 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
                     w, x, zeros, has_aux=True)
                 stashed, where = split_residuals(vjp_fn, (w, consts, zeros))
                 box.setdefault("vjp", (where, jax.tree.structure(vjp_fn)))
-                box["varying"] = [_varying(jax.typeof(r)) for r in stashed]
+                box["varying"] = [varying(jax.typeof(r)) for r in stashed]
                 return y, (stashed, inputs)
 
             return jax.lax.scan(body, x, jnp.arange(depth), unroll=unrolled)
@@ -120,12 +121,12 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
         _, (res_shapes, in_shapes) = jax.eval_shape(lambda x: forward(x, 0), x0)
         if stage_remat:
             res_shapes, box["varying"] = [jax.ShapeDtypeStruct(x0.shape, x0.dtype)], [
-                _varying(jax.typeof(x0))]
-        stash = [_vary(jnp.zeros((stash_slots,) + r.shape, r.dtype), vma | {axis})
+                varying(jax.typeof(x0))]
+        stash = [vary(jnp.zeros((stash_slots,) + r.shape, r.dtype), vma | {axis})
                  for r, vma in zip(res_shapes, box["varying"])]
 
         def ring(tree):
-            return jax.tree.map(lambda r: _vary(jnp.zeros((stash_slots,) + r.shape, r.dtype),
+            return jax.tree.map(lambda r: vary(jnp.zeros((stash_slots,) + r.shape, r.dtype),
                                                 manual), tree)
 
         inputs_stash = ring(in_shapes)
@@ -136,7 +137,7 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
             return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, False), buffer)
 
         def put_if(pred, buffer, slot, value):
-            return jax.tree.map(lambda b, v: _store_if(pred, b, slot, v, 0), buffer, value)
+            return jax.tree.map(lambda b, v: store_if(pred, b, slot, v, 0), buffer, value)
 
         def nothing(buffer):  # zeros shaped (and varying) as one slot of `buffer`
             return jax.tree.map(lambda b: jnp.zeros_like(b[0]), buffer)
@@ -153,7 +154,7 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
                 # constant residual, as the gathered attention's key positions, is invariant)
                 if v is None:
                     return nothing(like)
-                return jax.tree.map(lambda a, b: _vary(a, _varying(jax.typeof(b))), v, like)
+                return jax.tree.map(lambda a, b: vary(a, varying(jax.typeof(b))), v, like)
 
             return (pick(y, box_x), pick(dx, box_x), pick(residuals, stash),
                     pick(inputs, inputs_stash), pick(d_taps, taps_stash),
@@ -190,8 +191,8 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
             at = jnp.maximum(row["stash"], 0)
             j = row["put"]  # this stage puts its microbatch j p + s on the input belt
             mine = jax.lax.dynamic_index_in_dim(x_in, jnp.maximum(j, 0), 1, keepdims=False)
-            belt = _select(j >= 0, mine, belt)
-            x = _select(row["x_at"] < 0, belt, get(inbox_x, jnp.maximum(row["x_at"], 0)))
+            belt = select(j >= 0, mine, belt)
+            x = select(row["x_at"] < 0, belt, get(inbox_x, jnp.maximum(row["x_at"], 0)))
             held = (get(stash_, at), get(inputs_, at), get(taps_, at))
             (y, dx, residuals, inputs, d_taps, d_stack, d_head, loss_i, dy) = jax.lax.switch(
                 kind, [op_idle, op_forward, op_backward, op_weight], i, c, x,
@@ -203,30 +204,30 @@ def train(blocks, head, x_in, labels, consts, schedule: Schedule, axis: str, mes
             g_head = jax.tree.map(jnp.add, g_head, d_head)
 
             def store(buffer, where, value):  # into slot `where` of an inbox, if >= 0
-                return _store_if(where >= 0, buffer, jnp.maximum(where, 0), value, 0)
+                return store_if(where >= 0, buffer, jnp.maximum(where, 0), value, 0)
 
             inbox_ct = store(inbox_ct, row["dy_to"], dy)
             y, ct = jax.lax.ppermute(y, axis, ahead), jax.lax.ppermute(dx, axis, back)
             inbox_x, inbox_ct = store(inbox_x, row["x_to"], y), store(inbox_ct, row["ct_to"], ct)
             # stage 0's B of its first chunk gave microbatch i's input gradient: onto the belt
             # to its stage
-            dbelt = _select((s == 0) & (kind == BACKWARD) & (c == 0), dx, dbelt)
+            dbelt = select((s == 0) & (kind == BACKWARD) & (c == 0), dx, dbelt)
             keep = row["keep"]
-            dx_out = _store_if(keep >= 0, dx_out, jnp.maximum(keep, 0), dbelt, 1)
+            dx_out = store_if(keep >= 0, dx_out, jnp.maximum(keep, 0), dbelt, 1)
             buffers = (inbox_x, inbox_ct, stash_, inputs_, taps_, g_stack, g_head,
                        total + loss_i)
             return (buffers, jax.lax.ppermute(belt, axis, back),
                     jax.lax.ppermute(dbelt, axis, ahead), dx_out), None
 
         def g_zero_fn():
-            return jax.tree.map(lambda a: _vary(jnp.zeros_like(a, jnp.float32), manual), stack)
+            return jax.tree.map(lambda a: vary(jnp.zeros_like(a, jnp.float32), manual), stack)
 
         small = (jnp.zeros((table.x_slots,) + x0.shape, x0.dtype),
                  jnp.zeros((table.ct_slots,) + x0.shape, x0.dtype), g_zero_fn(),
                  jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(x0, jnp.float32, shape=()),
                  x0, x0, jnp.zeros_like(x_in))
         box_x, box_ct, g_zero, g_head0, total0, belt, dbelt, dx_out = jax.tree.map(
-            lambda a: _vary(a, manual), small)
+            lambda a: vary(a, manual), small)
         buffers = (box_x, box_ct, stash, inputs_stash, taps_stash, g_zero, g_head0, total0)
         carry = jax.lax.scan(slot, (buffers, belt, dbelt, dx_out), jnp.arange(len(table.rows)),
                              unroll=unroll())[0]

@@ -122,7 +122,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # (as sent: an all-reduce is a reduce-scatter and a gather, so SP's four cost its two)
     add("layers' activations", "reduce-scatter" if sp else "reduce", ("tensor",), act,
         (fwd + restage) * f + bwd * (f + again))
-    # the embedding's lookup (psum of its vocab shards, in the parameters' dtype) and the head's
+    # the embedding's lookup (psum of its vocab shards, in fp32: `manual.psum`) and the head's
     # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
     # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
     head_tokens = tokens
@@ -130,7 +130,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         steady = (s.repeats * s.microbatches + s.stages - s.repeats * s.stages
                   if s.kind == "1f1b" else s.microbatches)
         head_tokens = n * steady
-    add("embedding lookup", "reduce", ("tensor",), tokens * m.d_model * pb)
+    add("embedding lookup", "reduce", ("tensor",), tokens * m.d_model * max(pb, F32))
     add("head input gradient", "reduce", ("tensor",), head_tokens * m.d_model * F32)
     if sp:
         add("final norm gathered", "gather", ("tensor",), head_tokens * m.d_model * c)
@@ -170,7 +170,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # over stage, their rows split over it), once per accumulated microbatch (a pipeline's
     # step is one). Layers in the compute dtype (the cast before each matmul), or fp32
     # in a pipeline (the shard_map sums its fp32 weights' cotangent); the embedding in fp32;
-    # the head in the compute dtype (`model.head_logits`), or fp32 summed inside 1F1B/ZB-H1
+    # the head in fp32 (summed inside the loss's or the schedule's shard_map: `manual.vary`)
     shapes = param_shapes(m, len(plan.layer_order))
     sharded = rules.grads_over_batch and d > 1
     times = plan.accum_steps  # XLA reduces inside the accumulation loop, ZeRO-0 too
@@ -189,9 +189,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # shard_map sums the stage's whole gradient over data and seq at once)
     add("layer gradients", "reduce", ("seq",), layer_bytes / (d if sharded and s is None else 1),
         times)
-    head_dtype = F32 if s is not None and s.kind != "gpipe" else c
     add("head gradient", "reduce", rows_split + ("seq",),
-        size(["head"], rules.compute) * head_dtype + m.d_model * F32, times)
+        size(["head"], rules.compute) * F32 + m.d_model * F32, times)
     embed = size(["embed"], rules.compute) * F32
     if sharded and t == 1:  # a plain lookup: XLA moves the tokens' cotangents, not the table
         add("embedding cotangents", "all-to-all", ("data",), n * m.d_model * F32,

@@ -244,6 +244,14 @@ def memory(plan) -> dict:
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.kind != "gpipe"
                                                           else 0)
     loss, layer = kinds["logits_loss"], kinds["layer_working"]
+    c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
+    if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and mesh["data"] > 1
+            and c < F32):
+        # the loss's shard_map sums the head's gradient over data in fp32 (`manual.vary`): an
+        # fp32 copy beside the compute dtype's at the loss's peak. Measured on XLA:CPU (jax
+        # 0.10) in this case only: with SP, the ring, a pipeline or accumulated microbatches
+        # its buffer reuses one that is live anyway
+        loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0
     if s is not None and s.kind == "zb_h1":
         # each device's branch of the per-stage switch has buffers of its own: the head's
