@@ -99,6 +99,18 @@ def test_search_cli_json_and_compile_top(capsys):
     assert 0.5 < r["top"][0]["needed_gb"] / compiled < 1.5
 
 
+def test_search_lays_out_the_configs_own_device_count(capsys):
+    """Without --devices, the config's own device count (4 of the topology's 8): the whole
+    topology is what --devices=8 asks for."""
+    argv = MODEL + ["mesh.data=4", "mesh.tensor=1", "--search", "--top=1", "--json"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["search"]
+    assert r["devices"] == 4 and r["config_layout"]["mesh"]
+    assert main(argv + ["--devices=8"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["search"]
+    assert r["devices"] == 8 and "config_layout" not in r
+
+
 @pytest.mark.parametrize("argv,field,says", [
     (["--search", "--devices=9"], "--devices", "at most 8 devices"),
     (["--search", "mesh.topology=dgx_h100_64", "--devices=12"], "--devices", "whole nodes"),

@@ -28,8 +28,8 @@ COMMAND = cli.Command(
     flags=(cli.Flag("--compile", help="compile the step at full size and report memory and "
                                       "collectives"),
            cli.Flag("--search", help="rank the layouts of the config's model and batch that fit"),
-           cli.Flag("--devices", "int", "--search: devices to lay out (default: the topology's)",
-                    minimum=1),
+           cli.Flag("--devices", "int", "--search: devices to lay out (default: the config's "
+                    "own, else the topology's)", minimum=1),
            cli.Flag("--top", "int", "--search: layouts in the table (default 10)", minimum=1),
            cli.Flag("--compile-top", "int", "--search: compile the first K and put their "
                                             "compiled memory beside", minimum=0),
@@ -58,17 +58,18 @@ def _compile(plan, topology) -> tuple[dict, object]:
 def _search(args: cli.Args, cfg, topology, record: dict) -> list[str]:
     from . import estimate, search
 
-    devices = args.flags.get("--devices", topology.num_devices)
+    try:  # the config's own layout, ranked among the rest when it has as many devices
+        own = search.evaluate(cfg, topology)
+    except ConfigError:
+        own = None
+    # by default the config's own device count (the whole topology if it has no layout)
+    devices = args.flags.get("--devices", own.plan.num_devices if own else topology.num_devices)
     per_node = topology.devices_per_node
     if devices > topology.num_devices or (devices > per_node and devices % per_node):
         raise ConfigError("--devices", f"{devices} is not a layout of {topology.name}: at most "
                                        f"{topology.num_devices} devices, whole nodes of "
                                        f"{per_node} beyond one node")
-    try:  # the config's own layout, ranked among the rest when it has this many devices
-        own = search.evaluate(cfg, topology)
-        own = own if own.plan.num_devices == devices else None
-    except ConfigError:
-        own = None
+    own = own if own is not None and own.plan.num_devices == devices else None
     lines, record["search"], ranked = search.run(cfg, topology, devices,
                                                  args.flags.get("--top", 10), own)
     ranked = ranked[:args.flags.get("--compile-top", 0)]
