@@ -17,39 +17,15 @@ computation as the command line's run of the same config.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 from . import config as config_lib
 from .config import Config
-from .mesh import AXES, simulate_devices
+from .mesh import AXES, simulate  # noqa: F401 (spmd3d.simulate)
 
 _KIND_ABBREV = {"all-reduce": "ar", "all-gather": "ag", "reduce-scatter": "rs",
                 "all-to-all": "a2a", "collective-permute": "cp"}
-
-
-def simulate(n: int = 8) -> int:
-    """Run on `n` simulated CPU devices (XLA host devices). Call it before jax starts its
-    backends (in a notebook: the first cell); calling it again with the same `n` is harmless.
-    Returns `n`."""
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        try:
-            from jax._src.xla_bridge import backends_are_initialized
-        except ImportError:  # cannot tell: assume started, and check the devices it has
-            backends_are_initialized = lambda: True  # noqa: E731
-        if backends_are_initialized():
-            have = jax.devices()
-            if len(have) == n and have[0].platform == "cpu":
-                return n
-            raise RuntimeError(
-                f"jax already runs on {len(have)} {have[0].platform} device(s); simulate({n}) "
-                "must come before the first use of jax (restart the kernel and call it first)")
-    simulate_devices(n)
-    if jax is not None:  # imported but not started: its platform choice was read at import
-        jax.config.update("jax_platforms", "cpu")
-    return n
 
 
 def configure(preset: str | None = None, overrides: list[str] | tuple = (), **kw) -> Config:

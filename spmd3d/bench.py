@@ -63,6 +63,7 @@ def measure_bubble(cfg: Config) -> dict:
     """
     import jax
 
+    from . import hlo
     from .manual import unrolled_loops
     from .plan import Plan
     from .runtime import setup
@@ -78,10 +79,9 @@ def measure_bubble(cfg: Config) -> dict:
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
     def flops(c):
-        job = setup(c, jax.devices()[: c.mesh.data * c.mesh.stage * c.mesh.tensor * c.mesh.seq])
+        job = setup(c, jax.devices()[: c.mesh.num_devices])
         with unrolled_loops():  # cost analysis counts a loop body once
-            analysis = job.compile()[0].cost_analysis()
-        return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+            return hlo.flops(job.compile()[0])
 
     def stack(c):
         deeper = config_lib.override(c, model={"num_layers": 2 * c.model.num_layers})
@@ -230,7 +230,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
                                      steps=len(traced))
 
     median, n_dev = statistics.median(times), job.plan.num_devices
-    tokens_per_s = cfg.train.global_batch * cfg.train.seq_len / median
+    tokens_per_s = job.plan.tokens_per_step / median
     stats = jax.devices()[0].memory_stats()  # None on CPU
     colls = hlo.summary(hlo.collectives(compiled.as_text(), job.mesh.shape))
     return {
@@ -245,7 +245,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "remat": cfg.parallel.remat,
         "scan_layers": cfg.parallel.scan_layers,
         "microbatches": cfg.train.microbatches,
-        "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+        "tokens_per_step": job.plan.tokens_per_step,
         "params": sum(math.prod(x.shape) for x in jax.tree.leaves(job.abstract.params)),
         "compile_s": compile_s,
         "steps": steps,

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import yaml
 
-from .gpu import parse_xla_flags
 from .schema import (ATTENTION_KERNELS, DTYPES, PIPELINE_SCHEDULES,  # noqa: F401
                      REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig, Config, ConfigError,
                      DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig,
-                     ParallelConfig, RunConfig, TrainConfig, compute_dtype, doc)
+                     ParallelConfig, RunConfig, TrainConfig, compute_dtype, doc,
+                     parse_xla_flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,13 +314,12 @@ def validate(cfg: Config) -> None:
 
 def resolve_mesh(cfg: Config, num_devices: int) -> Config:
     """Fill in `mesh.data = -1` from the device count and check that the product matches."""
-    sizes = cfg.mesh.sizes()
-    fixed = sizes["stage"] * sizes["tensor"] * sizes["seq"]
+    fixed = cfg.mesh.non_data
     if cfg.mesh.data == -1:
         _need(num_devices % fixed == 0, "mesh",
               f"stage*tensor*seq = {fixed} does not divide the {num_devices} devices")
         cfg = replace(cfg, mesh=replace(cfg.mesh, data=num_devices // fixed))
-    total = cfg.mesh.data * fixed
+    total = cfg.mesh.num_devices
     _need(total == num_devices, "mesh",
           f"data*stage*tensor*seq = {total} but there are {num_devices} devices")
     validate(cfg)

@@ -39,7 +39,7 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
     model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
                     param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype,
                     attention="blocked")
-    fixed = cfg.mesh.stage * cfg.mesh.tensor * cfg.mesh.seq
+    fixed = cfg.mesh.non_data
     data = devices // fixed
     cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED),
                None)

@@ -248,8 +248,7 @@ def load(source: str | Path, overrides=(), devices=None):
     else:
         saved = checkpoint.read_meta(source)["config"]
         cfg = config_lib.load(None, [*SERVING, *overrides], base=saved)
-    m = cfg.mesh
-    plan = Plan.resolve(cfg, devices or jax.devices()[:m.data * m.stage * m.tensor * m.seq])
+    plan = Plan.resolve(cfg, devices or jax.devices()[:cfg.mesh.num_devices])
     abstract, shardings = canonical_state(plan)
     target = store.abstract_like(abstract, shardings).params
     if hf:

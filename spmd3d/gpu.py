@@ -48,7 +48,7 @@ import subprocess
 import sys
 from typing import Callable, MutableMapping
 
-from .schema import ConfigError
+from .schema import parse_xla_flags
 
 PRESET_VERSION = "2026.11-jax0.10"
 OPTIMIZATION_LEVEL = "O1"
@@ -58,23 +58,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 LOG = logging.getLogger("spmd3d.gpu")
-_TOKEN = re.compile(r"--([A-Za-z0-9_]+)(=\S*)?")
 
 
 # ------------------------------------------------------------------------------- the flags
-
-def parse_xla_flags(text: str, field: str = "run.xla_flags") -> dict[str, str | None]:
-    """`--name=value --name ...` -> {name: value, or None for a bare `--name`}; a repeated name
-    keeps its last value, as XLA does. Anything else raises ConfigError(field, ...)."""
-    flags: dict[str, str | None] = {}
-    for token in text.split():
-        m = _TOKEN.fullmatch(token)
-        if not m:
-            raise ConfigError(field, f"{token!r} is not --name=value or --name (XLA flags, "
-                                     f"separated by spaces)")
-        flags[m.group(1)] = None if m.group(2) is None else m.group(2)[1:]
-    return flags
-
 
 def _token(name: str, value: str | None) -> str:
     return f"--{name}" if value is None else f"--{name}={value}"

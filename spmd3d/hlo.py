@@ -163,6 +163,13 @@ def bytes_by_axes(colls: list[Collective]) -> Counter:
     return out
 
 
+def flops(compiled) -> float:
+    """XLA's count of a compiled function's FLOPs per device (a loop body counted once: trace
+    with `manual.unrolled_loops` to count every trip)."""
+    analysis = compiled.cost_analysis()
+    return float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
+
+
 def memory(compiled) -> dict:
     """Per-device bytes of a compiled function: arguments, outputs, temporaries."""
     ma = compiled.memory_analysis()

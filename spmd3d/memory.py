@@ -18,9 +18,6 @@ import re
 from .cli import Failure
 from .config import ConfigError
 
-# the test hook of a run-time out-of-memory: the loop raises one before running this step
-FAKE_OOM_ENV = "SPMD3D_TEST_OOM_AT_STEP"
-
 
 class DoesNotFit(ConfigError):
     """The compiled step needs more memory per device than a device has (exit status 2)."""
@@ -118,7 +115,7 @@ def _advice(plan, largest: str) -> str:
     else:
         if par.remat in ("none", "save_dots"):
             tips.append("parallel.remat=full" + (" or stage" if plan.schedule else ""))
-        rows = t.global_batch // t.microbatches // plan.mesh.shape["data"]
+        rows = t.global_batch // plan.microbatches // plan.mesh.shape["data"]
         if rows > 1:
             tips.append("more train.microbatches (fewer rows at a time)")
         if mesh.seq == 1:
@@ -160,12 +157,3 @@ def out_of_memory(error: BaseException, step: int, need: dict | None) -> OutOfMe
     return OutOfMemory(f"out of memory at step {step}: the device {what}{estimate} (the "
                        "allocator's own needs and fragmentation come on top); the last "
                        "checkpoint is untouched")
-
-
-def fake_oom(step: int) -> None:
-    """The test hook: an out-of-memory error before `step` if `SPMD3D_TEST_OOM_AT_STEP` says so."""
-    if os.environ.get(FAKE_OOM_ENV) == str(step):
-        import jax
-
-        raise jax.errors.JaxRuntimeError(
-            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.")

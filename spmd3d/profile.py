@@ -13,7 +13,7 @@ summary. Two kinds of trace:
   CUDA graphs (`command_buffer_N`), which name no instruction, so kernels are summed by kernel
   name and sorted by it: cuBLAS/nvjet/CUTLASS GEMMs are matmuls, cuDNN's fused attention
   (`sdpa`, `flash`) attention, NCCL kernels collectives. Seen on an H100 (jax 0.11.2): an
-  fp32 `xmma_gemm_f32f32_tf32` in the head's backward, which `model.head_logits` removed.
+  fp32 `xmma_gemm_f32f32_tf32` in the head's backward, which `vocab.head_logits` removed.
 
 A collective's time includes waiting for the last device of its group to arrive.
 """

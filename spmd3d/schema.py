@@ -5,6 +5,8 @@ re-exports everything here.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,6 +29,22 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+_XLA_FLAG = re.compile(r"--([A-Za-z0-9_]+)(=\S*)?")
+
+
+def parse_xla_flags(text: str, field: str = "run.xla_flags") -> dict[str, str | None]:
+    """`--name=value --name ...` -> {name: value, or None for a bare `--name`}; a repeated name
+    keeps its last value, as XLA does. Anything else raises ConfigError(field, ...)."""
+    flags: dict[str, str | None] = {}
+    for token in text.split():
+        m = _XLA_FLAG.fullmatch(token)
+        if not m:
+            raise ConfigError(field, f"{token!r} is not --name=value or --name (XLA flags, "
+                                     f"separated by spaces)")
+        flags[m.group(1)] = None if m.group(2) is None else m.group(2)[1:]
+    return flags
 
 
 class DataError(ValueError):
@@ -99,6 +117,18 @@ class MeshConfig:
 
     def sizes(self) -> dict[str, int]:
         return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
+
+    @property
+    def non_data(self) -> int:
+        """stage x tensor x seq: the devices one data replica spans."""
+        return self.stage * self.tensor * self.seq
+
+    @property
+    def num_devices(self) -> int:
+        """data x stage x tensor x seq (`mesh.data` resolved, not -1)."""
+        if self.data < 1:
+            raise ConfigError("mesh.data", "is not resolved yet (-1: all devices left over)")
+        return self.data * self.non_data
 
 
 @dataclass(frozen=True)

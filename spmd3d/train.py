@@ -137,7 +137,6 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
         sample = samples and done % cfg.run.sample_every == 0
         logged = done % cfg.run.log_every == 0 or done == steps or evaluate or sample
         try:
-            memory.fake_oom(step)
             state, metrics = compiled(state, batch)  # dispatched: the device works on it...
             if done < steps:  # ...while the host reads and places the next step's batch
                 batch = job.global_batch(done)
@@ -195,7 +194,7 @@ def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float)
     steps = t.steps - start
     last = {k: r[k] for r in records for k in ("loss", "eval_loss") if k in r}
     losses = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in last.items())
-    LOG.info(f"done: {steps} steps, {steps * t.global_batch * t.seq_len:,} tokens in "
+    LOG.info(f"done: {steps} steps, {steps * job.plan.tokens_per_step:,} tokens in "
              f"{duration(seconds)}{'; final ' + losses if losses else ''}; "
              f"{run_dir}/: {', '.join(outputs)}")
 

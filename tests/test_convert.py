@@ -57,8 +57,7 @@ def run_config(hf_dir, mesh=None):
 
 def ours_logits(cfg, params=None, hf_dir=None):
     """Logits of TOKENS on `cfg`'s mesh: `params` (canonical, any placement) or HF_DIR's."""
-    m = cfg.mesh
-    plan = Plan.resolve(cfg, jax.devices()[:m.data * m.stage * m.tensor * m.seq])
+    plan = Plan.resolve(cfg, jax.devices()[:cfg.mesh.num_devices])
     abstract, shardings = canonical_state(plan)
     if params is None:
         params = convert.load_params(hf_dir, cfg, store.abstract_like(abstract, shardings).params)

@@ -15,7 +15,8 @@ from flax import nnx
 from helpers import devices_for, small_config
 from spmd3d import hlo, runtime
 from spmd3d.config import ModelConfig
-from spmd3d.model import Transformer, head_logits, loss_chunks
+from spmd3d.model import Transformer
+from spmd3d.vocab import head_logits, loss_chunks
 
 
 @pytest.mark.parametrize("tokens,chunk,want", [

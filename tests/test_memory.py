@@ -59,6 +59,27 @@ def test_the_check_in_the_api_and_its_switch():
     assert 0 < need["total"] <= need["limit"] and need["limit_source"]
 
 
+# `python -m spmd3d.train` whose compiled step raises XLA's out-of-memory error on its second
+# call: what the loop sees when a device runs out of memory mid-run
+OOM_AT_SECOND_STEP = """
+import sys, jax
+from spmd3d import runtime, train
+real = runtime.Job.compile
+def compile(self):
+    compiled, seconds = real(self)
+    calls = []
+    def step(state, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.")
+        return compiled(state, batch)
+    return step, seconds
+runtime.Job.compile = compile
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
 def tree_digest(directory: Path) -> dict:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -71,8 +92,9 @@ def test_an_out_of_memory_at_run_time_is_one_line_and_keeps_the_checkpoint(tmp_p
     checkpoints = tmp_path / "run" / "checkpoints"
     before = tree_digest(checkpoints)
     assert before
-    out = run(train_command(tmp_path / "run", *base, "train.steps=6"),
-              **{memory.FAKE_OOM_ENV: "3"})
+    # the resumed run's second step (step 3) fails as a device out of memory would
+    out = run([sys.executable, "-c", OOM_AT_SECOND_STEP, *SMALL, f"run.dir={tmp_path / 'run'}",
+               *base, "train.steps=6"])
     assert out.returncode == 1, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -57,8 +57,25 @@ def reachable(start: str) -> set[str]:
 def test_graph_is_read():
     assert {"plan", "sharding", "pipeline"} <= GRAPH["step"]
     assert "runtime" in GRAPH["train"] and "cli" in GRAPH["train"]
-    assert {"plan", "footprint", "api", "cli"} <= GRAPH["plan.__main__"]
+    assert {"plan", "footprint", "mesh", "cli"} <= GRAPH["plan.__main__"]
     assert {"pipeline", "sharding", "model"} <= GRAPH["plan"]
+
+
+# the bottom: the config and its schema, the mesh, storage keys, the command line's parser,
+# the per-device helpers inside shard_map, readers of compiled programs, plain-numpy tables
+BOTTOM = {"schema", "config", "mesh", "store", "cli", "manual", "hlo", "taps", "pipeline.zb_table"}
+# the top: what `python -m` runs and nothing imports (checkpoint, convert, generate and plot
+# still hold a command beside their library code)
+COMMANDS = {"__main__", "train", "bench", "plan.__main__", "data.__main__"}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_imports_run_downward(module):
+    """The bottom imports only the bottom; nothing but a command imports a command."""
+    if module in BOTTOM:
+        assert GRAPH[module] <= BOTTOM, GRAPH[module] - BOTTOM
+    if module not in COMMANDS:
+        assert not GRAPH[module] & COMMANDS, GRAPH[module] & COMMANDS
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -76,10 +93,11 @@ def test_storage_imports_nothing_above_the_config():
 
 
 def test_the_model_does_not_run_the_pipeline():
-    """The model is math: it reaches neither the plan nor the step, and never runs the
-    schedule (it imports `pipeline` only for the loop-unrolling switch)."""
-    assert not {"step", "plan", "runtime"} & reachable("model")
-    assert "pipeline.run" not in (PACKAGE / "model.py").read_text()
+    """The model is math: it reaches neither the plan, the step nor any schedule (the
+    per-device helpers it shares with them live in `manual`)."""
+    below = reachable("model")
+    assert not {"step", "plan", "runtime"} & below
+    assert not [m for m in below if m.split(".")[0] == "pipeline"], below
 
 
 def clean_env():
@@ -115,6 +133,14 @@ def test_every_command_answers_help(command):
         assert typ in row[0].split() and meaning in row[0], row[0]
 
 
+# modules over STYLE.md's ~400 lines, each with the split that brings it under: the list
+# only shrinks
+OVER_400 = {"checkpoint": "its `info` command into a command module"}
+
+
 def test_modules_stay_small():
     sizes = {m: len(FILES[m].read_text().splitlines()) for m in MODULES}
-    assert max(sizes.values()) <= 410, sizes
+    over = {m for m, n in sizes.items() if n > 400}
+    assert over <= set(OVER_400), {m: sizes[m] for m in over - set(OVER_400)}
+    assert all(sizes[m] > 400 for m in OVER_400), "under 400 now: take it off OVER_400"
+    assert max(sizes.values()) <= 450, sizes

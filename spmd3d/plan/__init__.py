@@ -80,10 +80,9 @@ class Plan:
             mesh = make_mesh(cfg.mesh.sizes(), devices, cfg.mesh.allow_cross_host)
         else:
             topo = topology if isinstance(topology, Topology) else load_topology(topology, "gpu")
-            sizes = cfg.mesh.sizes()
-            fixed = sizes["stage"] * sizes["tensor"] * sizes["seq"]
-            cfg = resolve_mesh(cfg, topo.num_devices if sizes["data"] == -1 else fixed * sizes["data"])
-            total, per_node = int(np.prod(list(cfg.mesh.sizes().values()))), topo.devices_per_node
+            cfg = resolve_mesh(cfg, topo.num_devices if cfg.mesh.data == -1
+                               else cfg.mesh.num_devices)
+            total, per_node = cfg.mesh.num_devices, topo.devices_per_node
             if total > per_node:  # a layout over several nodes keeps tensor and seq inside one
                 if total % per_node:
                     raise ConfigError("mesh", f"{total} devices are not whole nodes of {per_node}")
@@ -140,6 +139,16 @@ class Plan:
     def num_devices(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in AXES]))
 
+    @property
+    def microbatches(self) -> int:
+        """Microbatches a step runs: the pipeline's, or those accumulated one after another."""
+        return self.schedule.microbatches if self.schedule else self.accum_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens a step trains on (the global batch's sequences times their length)."""
+        return self.cfg.train.global_batch * self.cfg.train.seq_len
+
     def sharding(self, names):
         """The NamedSharding of an activation with logical `names` under the compute rules."""
         from jax.sharding import NamedSharding
@@ -164,7 +173,7 @@ class Plan:
 
     def describe(self) -> str:
         """The layout in a few lines: mesh, ZeRO, SP, remat and the pipeline schedule."""
-        cfg, par = self.cfg, self.cfg.parallel
+        par = self.cfg.parallel
         sharded = self.rules.grads_over_batch and par.zero_stage < 2  # ZeRO-1 accumulating
         lines = [f"mesh {dict(self.mesh.shape)}, ZeRO-{par.zero_stage}"
                  f"{' (gradients accumulated sharded)' if sharded else ''}, "

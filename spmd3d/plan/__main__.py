@@ -42,7 +42,7 @@ COMMAND = cli.Command(
 def _compile(plan, topology) -> tuple[dict, object]:
     """(`footprint.measure`'s record with the analytic figures of what it compiled, that plan)."""
     from .. import footprint
-    from ..api import simulate
+    from ..mesh import simulate
     from . import estimate
 
     compile_cfg, cut = footprint.compiled_layout(plan.cfg, plan.num_devices)
@@ -75,7 +75,7 @@ def _search(args: cli.Args, cfg, topology, record: dict) -> list[str]:
     ranked = ranked[:args.flags.get("--compile-top", 0)]
     if ranked:
         from .. import footprint
-        from ..api import simulate
+        from ..mesh import simulate
 
         simulate(max(c.plan.num_devices // footprint.compiled_layout(c.plan.cfg, devices)[1]
                      for c in ranked))

@@ -87,7 +87,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     c, w, n = itemsize(m.dtype), Widths.of(plan), tokens_per_pass(plan)
     pb, sp = itemsize(m.param_dtype), par.sequence_parallel and t > 1
     remat = "full" if par.remat == "stage" else par.remat  # the per-layer policy
-    micro = s.microbatches if s else plan.accum_steps
+    micro = plan.microbatches
     stored = len(plan.layer_order) // (s.stages if s else 1)  # layers stored on a device
     chunk = stored // (s.repeats if s else 1)
     rows_split = ("data", "stage") if s else ("data",)  # what splits the embedding's rows

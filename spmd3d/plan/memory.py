@@ -110,11 +110,11 @@ def working_terms(plan) -> dict:
     """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
     collects, its belt, a circular GPipe's wrap-around slots and ZB-H1's inboxes) and of one
     piece of the loss (its logits, softmax and one-hot, fp32)."""
-    from ..model import loss_chunks
+    from ..vocab import loss_chunks
 
     cfg, mesh = plan.cfg, plan.mesh.shape
     t, m = cfg.train, cfg.model
-    micro = plan.schedule.microbatches if plan.schedule else plan.accum_steps
+    micro = plan.microbatches
     rows = t.global_batch // micro // mesh["data"]
     row = rows * t.seq_len // mesh["seq"]  # tokens of one microbatch on a device
     buffers, tokens = 0, row
@@ -196,7 +196,7 @@ def layer_working(w: Widths, policy: str, c: int) -> float:
 def tokens_per_pass(plan) -> int:
     """Tokens of one microbatch on one device."""
     cfg, mesh = plan.cfg, plan.mesh.shape
-    micro = plan.schedule.microbatches if plan.schedule else plan.accum_steps
+    micro = plan.microbatches
     return cfg.train.global_batch // micro // mesh["data"] * cfg.train.seq_len // mesh["seq"]
 
 

@@ -1,0 +1,85 @@
+"""The vocabulary's two ends, possibly split over a mesh axis: the embedding lookup and the
+head's logits, and how many pieces the loss cuts a device's tokens into.
+
+Per-device view where it must be: the lookup is a shard_map manual over the vocab axis and the
+batch's (a plain gather on a vocab-sharded table would make XLA replicate the table).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .manual import psum, vary
+from .sharding import current_layout, mesh_axes
+
+
+@jax.custom_vjp
+def head_logits(x_nd, w_dv):
+    """x[N, D] @ w[D, V] -> fp32 logits, and a backward whose two matmuls run in the operands'
+    dtype (fp32 accumulation), the fp32 cotangent cast down first, as Megatron does. Autodiff
+    would contract the fp32 cotangent with the bf16 operands: XLA then upcasts the [D, V]
+    weights for every loss piece and runs both matmuls in fp32 (TF32 on a GPU; measured in
+    docs/benchmarks.md). With fp32 compute (the tests) it is autodiff's computation exactly."""
+    return jnp.einsum("nd,dv->nv", x_nd, w_dv, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(x_nd, w_dv):
+    return head_logits(x_nd, w_dv), (x_nd, w_dv)
+
+
+def _head_logits_bwd(residuals, g_nv):
+    x_nd, w_dv = residuals
+    g = g_nv.astype(w_dv.dtype)
+    dx = jnp.einsum("nv,dv->nd", g, w_dv, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("nd,nv->dv", x_nd, g, preferred_element_type=jnp.float32)
+    return dx.astype(x_nd.dtype), dw.astype(w_dv.dtype)
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
+def loss_chunks(tokens: int, chunk: int) -> int:
+    """How many pieces the head and loss cut a device's `tokens` into: the fewest that divide
+    them evenly with at most `chunk` tokens each (0: one piece)."""
+    if chunk <= 0 or tokens <= chunk:
+        return 1
+    return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
+
+
+def token_shards(layout):
+    """(mesh, manual axes, row spec, length spec): the batch and length axes of the current
+    layout that split anything (size > 1), for a shard_map manual over them."""
+    mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+    specs = [tuple(a for a in mesh_axes(layout.compute[n]) if mesh.shape[a] > 1) or None
+             for n in ("batch", "length")]
+    return mesh, tuple(a for spec in specs for a in mesh_axes(spec)), *specs
+
+
+def embed_lookup(table_vd, ids_bt):
+    """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
+
+    A plain gather on a vocab-sharded table makes XLA replicate the table (and all-gather the
+    gradient); instead each shard looks up the ids it owns, zeros the rest, and one psum over
+    the vocab axis combines them. Manual over the batch and length axes as well: the
+    gradient is then a scatter-add of each device's own rows and one sum of the table's
+    gradient over them (left to XLA, it gathers every device's [B, T, D] cotangent first).
+    """
+    layout = current_layout()
+    axis = None if layout is None else layout.compute["vocab"]
+    mesh, batch, rows, cols = (None,) * 4 if layout is None else token_shards(layout)
+    if axis is None or mesh.shape[axis] == 1:
+        return jnp.take(table_vd, ids_bt, axis=0)
+
+    def lookup(table, ids):
+        table = vary(table, batch)  # its gradient summed over the batch shards (in fp32)
+        v = table.shape[0]
+        local = ids - jax.lax.axis_index(axis) * v
+        mine = ((local >= 0) & (local < v)).astype(table.dtype)[..., None]
+        # a product with a [B, T, 1] mask: the backward keeps that and the ids, no [B, T, D]
+        rows = jnp.take(table, jnp.clip(local, 0, v - 1), axis=0) * mine
+        return psum(rows, axis)
+
+    return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P(rows, cols)),
+                         out_specs=P(rows, cols, None), axis_names={axis, *batch})(table_vd, ids_bt)
