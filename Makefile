@@ -18,7 +18,7 @@ train: $(VENV)/.installed
 	$(PY) -m spmd3d.train $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 tests $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m spmd3d.bench $(BENCH_ARGS)

@@ -111,11 +111,16 @@ class Job:
             return state
         return self._reorders[int(to_canonical)](state)
 
-    def init_state(self):
-        """The fresh state of `train.seed`, in its shardings."""
-        from .step import init_state
+    @cached_property
+    def _init(self):
+        from .step import init_fn
 
-        return init_state(self.plan, self.shardings)
+        return init_fn(self.plan, self.shardings)
+
+    def init_state(self):
+        """The fresh state of `train.seed`, in its shardings (the initializer compiled once)."""
+        with jax.set_mesh(self.mesh):
+            return self._init()
 
     def entries(self, state) -> dict:
         """{checkpoint key: array} of a state, layers in canonical order."""
@@ -171,9 +176,9 @@ def step_record(job: Job, step: int, metrics: dict, seconds: float) -> dict:
     """One `metrics.jsonl` record from a step's (host) metrics and its wall time."""
     from .metrics import mfu
 
-    cfg = job.cfg
-    tps = cfg.train.global_batch * cfg.train.seq_len / seconds
-    return {"step": step, "tokens": step * cfg.train.global_batch * cfg.train.seq_len,
+    cfg, tokens = job.cfg, job.plan.tokens_per_step
+    tps = tokens / seconds
+    return {"step": step, "tokens": step * tokens,
             "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "tokens_per_s": tps, "step_time_s": seconds,
             "mfu": mfu(tps, cfg.model, cfg.train.seq_len, job.peak_flops)}

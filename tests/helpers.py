@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
 import numpy as np
+import pytest
 
 from spmd3d import config
 from spmd3d.runtime import setup
@@ -27,13 +29,25 @@ def small_config(data=1, stage=1, tensor=1, seq=1, zero=0, sp=False, micro=1, re
 
 
 def devices_for(cfg):
-    m = cfg.mesh
-    return jax.devices()[: m.data * m.stage * m.tensor * m.seq]
+    return jax.devices()[: cfg.mesh.num_devices]
+
+
+@functools.cache
+def job_for(cfg):
+    """One job per config for the whole session: a layout's loss and gradient tests share its
+    setup and its compiled initializer, step and gradient function."""
+    return setup(cfg, devices_for(cfg))
+
+
+@functools.cache
+def _grad_fn(cfg):
+    job = job_for(cfg)
+    return jax.jit(make_grad_fn(job.plan, job.graphdef))
 
 
 def train_losses(cfg, steps=None):
     """Per-step losses of `steps` train steps from the fresh initial state."""
-    job = setup(cfg, devices_for(cfg))
+    job = job_for(cfg)
     state = job.init_state()
     losses = []
     for s in range(steps or cfg.train.steps):
@@ -44,11 +58,17 @@ def train_losses(cfg, steps=None):
 
 def first_grads(cfg):
     """(loss, {param path: gradient as numpy}) at the initial parameters on step 0's batch."""
-    job = setup(cfg, devices_for(cfg))
-    state = job.init_state()
-    loss, grads = jax.jit(make_grad_fn(job.plan, job.graphdef))(state.params, job.global_batch(0))
+    job = job_for(cfg)
+    loss, grads = _grad_fn(cfg)(job.init_state().params, job.global_batch(0))
     grads = reorder(grads, job.plan, to_canonical=True)
     return float(loss), {k: np.asarray(v) for k, v in flat(grads).items()}
+
+
+def by_layout(names):
+    """Layout names as pytest parameters, each in an xdist group of its own name: a layout's
+    loss, gradient and collective tests run in one worker, which then sets it up and compiles
+    it once (`job_for`)."""
+    return [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in names]
 
 
 def max_rel_diff(a, b):
@@ -56,8 +76,10 @@ def max_rel_diff(a, b):
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
+@functools.cache
 def reference_run(cfg):
-    """(per-step losses, (loss, grads) at step 0) of `cfg` on one device: what layouts match."""
+    """(per-step losses, (loss, grads) at step 0) of `cfg` on one device: what layouts match,
+    computed once per session whichever test module asks first."""
     return train_losses(cfg)[0], first_grads(cfg)
 
 

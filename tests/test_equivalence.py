@@ -7,7 +7,8 @@ and 4x2) so that a swapped axis cannot hide.
 
 import pytest
 
-from helpers import assert_grads_match, assert_losses_match, reference_run, small_config
+from helpers import (assert_grads_match, assert_losses_match, by_layout, reference_run,
+                     small_config)
 
 LAYOUTS = {
     "dp8": dict(data=8),
@@ -31,13 +32,14 @@ def reference():
     return reference_run(small_config())
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", by_layout(LAYOUTS))
 def test_losses_match_one_device(reference, name):
     ref_losses, _ = reference
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run should be learning"
     assert_losses_match(small_config(**LAYOUTS[name]), ref_losses)
 
 
-@pytest.mark.parametrize("name", ["dp8", "dp2_tp4", "dp4_tp2", "dp2_tp4_sp_chunked_loss", "zero3_dp2_tp4_sp_accum_remat"])
+@pytest.mark.parametrize("name", by_layout(["dp8", "dp2_tp4", "dp4_tp2", "dp2_tp4_sp_chunked_loss",
+                                             "zero3_dp2_tp4_sp_accum_remat"]))
 def test_grads_match_one_device(reference, name):
     assert_grads_match(small_config(**LAYOUTS[name]), reference[1])

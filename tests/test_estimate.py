@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from helpers import small_config
+from helpers import by_layout, small_config
 from spmd3d import config, footprint
 from spmd3d.mesh import load_topology
 from spmd3d.model import abstract_model
@@ -88,7 +88,7 @@ def compiled_layout(name):
             Plan.resolve(footprint.compiled_layout(cfg, 8)[0], topology=TOPOLOGY))
 
 
-@pytest.mark.parametrize("name", MEMORY_LAYOUTS)
+@pytest.mark.parametrize("name", by_layout(MEMORY_LAYOUTS))
 def test_analytic_memory_is_the_compiled_within_5_percent(name):
     compiled, plan = compiled_layout(name)
     assert plan.attention in ("blocked", "ring")  # what XLA:CPU compiles
@@ -98,7 +98,7 @@ def test_analytic_memory_is_the_compiled_within_5_percent(name):
         mem["temp_bytes"] / 1e6, compiled["compiled"]["temp_bytes"] / 1e6)
 
 
-@pytest.mark.parametrize("name", MEMORY_LAYOUTS)
+@pytest.mark.parametrize("name", by_layout(MEMORY_LAYOUTS))
 def test_analytic_collectives_are_the_compiled_within_5_percent(name):
     """Bytes per mesh axis by arithmetic against the compiled step's HLO, counted alike
     whatever kind of collective XLA chose (`hlo.bytes_per_axis`): gradients reduced in the

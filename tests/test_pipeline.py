@@ -3,11 +3,13 @@
 A 4-layer model (so that 4 stages, or 2 stages x 2 circular repeats, each get one layer).
 """
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 
-from helpers import (assert_grads_match, assert_losses_match, devices_for, first_grads,
+from helpers import (assert_grads_match, assert_losses_match, by_layout, devices_for, first_grads,
                      reference_run, small_config)
 from spmd3d import hlo, manual, runtime
 from spmd3d.pipeline import Schedule, layer_order
@@ -91,17 +93,19 @@ def reference():
     return reference_run(cfg())
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", by_layout(LAYOUTS))
 def test_pipeline_losses_match_one_device(reference, name):
     assert_losses_match(cfg(**LAYOUTS[name]), reference[0])
 
 
-@pytest.mark.parametrize("name", ["dp2_pp4_m8_chunked_loss", "dp2_pp2_tp2_v2", "pp4_tp2_m2",
-                                  "dp2_pp2_tp2_sp_stage_remat", "1f1b_dp4_pp2_m2",
-                                  "1f1b_pp4_tp2_m16", "1f1b_dp2_pp4_m2", "1f1b_dp2_pp2_tp2_sp_zero3",
-                                  "1f1b_pp2_tp2_seq2_sp", "1f1b_dp2_pp4_m8_full_remat_chunked_loss",
-                                  "1f1b_dp2_pp2_tp2_stage_remat", "1f1b_dp4_pp2_v2_m2",
-                                  "1f1b_dp2_pp2_tp2_v2_m8_sp_zero3", *ZERO_BUBBLE])
+GRADS = ["dp2_pp4_m8_chunked_loss", "dp2_pp2_tp2_v2", "pp4_tp2_m2", "dp2_pp2_tp2_sp_stage_remat",
+         "1f1b_dp4_pp2_m2", "1f1b_pp4_tp2_m16", "1f1b_dp2_pp4_m2", "1f1b_dp2_pp2_tp2_sp_zero3",
+         "1f1b_pp2_tp2_seq2_sp", "1f1b_dp2_pp4_m8_full_remat_chunked_loss",
+         "1f1b_dp2_pp2_tp2_stage_remat", "1f1b_dp4_pp2_v2_m2", "1f1b_dp2_pp2_tp2_v2_m8_sp_zero3",
+         *ZERO_BUBBLE]
+
+
+@pytest.mark.parametrize("name", by_layout(GRADS))
 def test_pipeline_grads_match_one_device(reference, name):
     assert_grads_match(cfg(**LAYOUTS[name]), reference[1])
 
@@ -142,9 +146,7 @@ def per_device_flops(layers, extra=(), **kw):
     c = cfg(**kw, extra=[f"model.num_layers={layers}", *extra])
     job = runtime.setup(c, devices_for(c))
     with manual.unrolled_loops():  # cost analysis counts a loop body once
-        compiled, _ = job.compile()
-    analysis = compiled.cost_analysis()
-    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+        return hlo.flops(job.compile()[0])
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +257,12 @@ def stack_flops(**kw):
     return per_device_flops(8, **kw) - per_device_flops(4, **kw)
 
 
+@functools.cache
+def unpipelined_stack_flops(remat):
+    return stack_flops(remat=remat)
+
+
+@pytest.mark.xdist_group("bubble")  # one worker: the unpipelined stacks computed once
 @pytest.mark.parametrize("p,m,v,kind", [(2, 2, 1, "gpipe"), (2, 4, 1, "gpipe"),
                                          (4, 4, 1, "gpipe"), (2, 2, 2, "gpipe"),
                                          (4, 4, 1, "1f1b"), (2, 8, 1, "1f1b"),
@@ -267,7 +275,7 @@ def test_bubble_flops_match_the_schedule(p, m, v, kind):
     circular GPipe recomputes each stage in the backward, so both sides use stage remat;
     interleaved 1F1B keeps residuals as 1F1B does.)"""
     remat = "stage" if v > 1 and kind == "gpipe" else "none"
-    one = stack_flops(remat=remat)
+    one = unpipelined_stack_flops(remat)
     piped = stack_flops(stage=p, micro=m, remat=remat, extra=[
         f"parallel.pipeline_repeats={v}", f"parallel.pipeline_schedule={kind}"])
     measured = piped * p / one
@@ -291,8 +299,8 @@ def test_parameter_bytes_drop_by_stage_count():
     assert saved == 3 * (block_bytes - block_bytes // 4)
 
 
-@pytest.mark.parametrize("name", ["dp4_pp2", "dp2_pp2_tp2_zero3", "1f1b_dp4_pp2_m2",
-                                  "1f1b_dp2_pp2_tp2_sp_zero3"])
+@pytest.mark.parametrize("name", by_layout(["dp4_pp2", "dp2_pp2_tp2_zero3", "1f1b_dp4_pp2_m2",
+                                             "1f1b_dp2_pp2_tp2_sp_zero3"]))
 def test_gradients_reduced_over_data_once_per_step_not_per_tick(name):
     """Nothing crosses the data axis inside the tick loop: gradients are reduced once, and
     under ZeRO-3 each stage's layers are gathered once (`parallel.zero3_gather=step`)."""

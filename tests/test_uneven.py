@@ -5,7 +5,8 @@ checkpoints in the canonical [L, ...] order."""
 import numpy as np
 import pytest
 
-from helpers import assert_grads_match, assert_losses_match, reference_run, small_config
+from helpers import (assert_grads_match, assert_losses_match, by_layout, reference_run,
+                     small_config)
 from spmd3d.pipeline import layer_order
 from spmd3d.train import train
 
@@ -38,7 +39,7 @@ def test_layer_order_pads_the_first_and_last_chunks():
     assert layer_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # even: as before
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", by_layout(LAYOUTS))
 def test_uneven_losses_match_one_device(reference, name):
     assert_losses_match(cfg(**LAYOUTS[name]), reference[0])
 
