@@ -45,10 +45,30 @@ def _grad_fn(cfg):
     return jax.jit(make_grad_fn(job.plan, job.graphdef))
 
 
+_INITIAL = {}
+
+
+def start_state(cfg):
+    """The fresh state of `cfg` in its layout's shardings, placed from one host copy per model,
+    optimizer and seed (made by a one-device initializer), not by compiling the layout's own
+    initializer: `test_zero.test_every_layout_initializes_the_same_state` holds the two equal."""
+    job = job_for(cfg)
+    key = (cfg.model, cfg.optim, cfg.train.seed)
+    if key not in _INITIAL:
+        one = config.override(cfg, mesh=dict(data=1, stage=1, tensor=1, seq=1),
+                              parallel=dict(pipeline_repeats=1, zero_stage=0,
+                                            sequence_parallel=False),
+                              train=dict(microbatches=1))
+        _INITIAL[key] = jax.device_get(setup(one, devices_for(one)).init_state())
+    if job.plan.canonical_layers:
+        return jax.device_put(_INITIAL[key], job.shardings)
+    return job.reorder(jax.device_put(_INITIAL[key], job.canonical[1]), to_canonical=False)
+
+
 def train_losses(cfg, steps=None):
     """Per-step losses of `steps` train steps from the fresh initial state."""
     job = job_for(cfg)
-    state = job.init_state()
+    state = start_state(cfg)
     losses = []
     for s in range(steps or cfg.train.steps):
         state, metrics = job.step_fn(state, job.global_batch(s))
@@ -59,7 +79,7 @@ def train_losses(cfg, steps=None):
 def first_grads(cfg):
     """(loss, {param path: gradient as numpy}) at the initial parameters on step 0's batch."""
     job = job_for(cfg)
-    loss, grads = _grad_fn(cfg)(job.init_state().params, job.global_batch(0))
+    loss, grads = _grad_fn(cfg)(start_state(cfg).params, job.global_batch(0))
     grads = reorder(grads, job.plan, to_canonical=True)
     return float(loss), {k: np.asarray(v) for k, v in flat(grads).items()}
 

@@ -122,6 +122,26 @@ def test_initialized_state_lives_where_the_rules_say(zero):
     assert mu.sharding.spec == P("stage", "tensor", "data" if zero >= 1 else None)
 
 
+@pytest.mark.parametrize("layout", [
+    dict(data=2, tensor=4, zero=3, sp=True),
+    dict(tensor=2, seq=4, zero=1),
+    dict(data=2, stage=2, tensor=2, micro=2, extra=["model.num_layers=4",
+                                                   "parallel.pipeline_repeats=2"]),
+    dict(data=2, stage=4, micro=4, extra=["model.num_layers=6"]),  # uneven: padding slots
+])
+def test_every_layout_initializes_the_same_state(layout):
+    """A layout's own jitted initializer (values from `train.seed` and the canonical layout
+    alone) gives, leaf for leaf and bit for bit, the one-device state placed in its layout:
+    what the equivalence tests start from (`helpers.start_state`)."""
+    from helpers import job_for, start_state
+
+    cfg = small_config(**layout)
+    own, placed = job_for(cfg).init_state(), start_state(cfg)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(own)[0], jax.tree.leaves(placed)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), path
+        assert np.array_equal(np.asarray(a), np.asarray(b)), path
+
+
 def test_zero1_accumulating_keeps_its_gradients_sharded_and_gathers_once():
     """ZeRO-1 over 4 accumulated microbatches: the accumulator is sharded over data (as
     ZeRO-2's), each microbatch's gradients are reduced in the loop and the updated parameters
