@@ -48,9 +48,10 @@ def _narrow(x) -> bool:
 def psum(x, axes):
     """`lax.psum` over manual `axes`, a float narrower than 32 bits summed in fp32 and cast
     back once: one rounding instead of one per addition (what NeMo's bf16 recipes ask of
-    Megatron with `grad_reduce_in_fp32`). It also keeps bf16 all-reduces out of XLA:CPU's all-reduce-promotion pass,
-    which aborts the compile on the reducer a shard_map's psum lowers to (its root is the
-    sharding constraint's copy: "Invalid binary instruction opcode copy")."""
+    Megatron with `grad_reduce_in_fp32`). It also keeps bf16 all-reduces out of XLA:CPU's
+    all-reduce-promotion pass, which aborts the compile on the reducer a shard_map's psum
+    lowers to (its root is the sharding constraint's copy: "Invalid binary instruction opcode
+    copy")."""
     def one(a):
         return jax.lax.psum(a.astype(jnp.float32), axes).astype(a.dtype) if _narrow(a) else \
             jax.lax.psum(a, axes)

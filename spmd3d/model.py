@@ -307,7 +307,8 @@ class Transformer(nnx.Module):
         inner = layout.compute.with_(batch=None, length=None, res_length=None)
 
         def per_device(x, labels, scale, head):
-            scale, head = vary(scale, manual), vary(head, manual)  # head: its gradient summed in fp32
+            # the head's gradient, summed over the token shards, is summed in fp32
+            scale, head = vary(scale, manual), vary(head, manual)
             with activation_rules(inner, None):
                 return psum(local(x, labels, scale, head), manual)
 

@@ -89,11 +89,6 @@ def init_fn(plan: Plan, shardings: TrainState):
     return jax.jit(init, out_shardings=shardings)
 
 
-def init_state(plan: Plan, shardings: TrainState) -> TrainState:
-    with jax.set_mesh(plan.mesh):
-        return init_fn(plan, shardings)()
-
-
 # ---------------------------------------------------------------------------------------------
 # forward: the model's parts composed with the schedule
 
