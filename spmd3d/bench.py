@@ -72,7 +72,7 @@ def measure_bubble(cfg: Config) -> dict:
     cfg, schedule = plan.cfg, plan.schedule
     if schedule is None:
         raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
-    if schedule.kind == "zb_h1":  # measured: a 3-way switch of 0, 1, 2 matmuls counts 2
+    if schedule.mode == "switch":  # measured: a 3-way switch of 0, 1, 2 matmuls counts 2
         raise ConfigError("parallel.pipeline_schedule", "--bubble reads XLA's cost analysis, "
                           "which counts a conditional as its costliest branch: zb_h1's "
                           "per-device switch has no FLOP figure to compare")
@@ -89,7 +89,7 @@ def measure_bubble(cfg: Config) -> dict:
 
     # a circular GPipe recomputes each stage in the backward: so does the baseline then
     # (interleaved 1F1B keeps its residuals, as 1F1B does)
-    circular = v > 1 and schedule.kind == "gpipe"
+    circular = schedule.recomputes_stage
     remat = "stage" if circular and cfg.parallel.remat == "none" else cfg.parallel.remat
     base = config_lib.override(cfg, mesh={"stage": 1}, train={"microbatches": 1},
                                parallel={"pipeline_repeats": 1, "remat": remat})

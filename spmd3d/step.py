@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import attention, pipeline, taps
-from .pipeline import gpipe, one_f_one_b
+from .pipeline import run as pipelined
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
@@ -186,13 +186,13 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
 
     def gpipe_loss(blocks, head, x):  # the GPipe forward, then the head and loss on every stage
         with activation_rules(inner, None, grads):
-            x = gpipe.run(blocks, x, rope, replace(schedule, kind="gpipe"), axis, plan.mesh,
-                             stage=stage, **where)
+            x = pipelined.forward(blocks, x, rope, replace(schedule, kind="gpipe").table(), axis,
+                                  plan.mesh, stage=stage, **where)
         with activation_rules(outer, plan.mesh, rules.grads):
             y, labels_out = rows(x), rows(slots(labels, -1, collect=True))
             return model.loss_with(head, y, labels_out, par.loss_chunk)[0]
 
-    if schedule.kind == "gpipe":
+    if not schedule.head_inside:
         return gpipe_loss(blocks, model.head_weights(), x)
     # 1F1B and ZB-H1: the head runs on the last stage inside the schedule, which needs every
     # label there
@@ -201,8 +201,8 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     # ZB-H1 splits each layer's backward with the model's projection taps
     split = taps.split(model, attend)
     with activation_rules(inner, None, grads):
-        return one_f_one_b.loss_and_grads(
-            blocks, model.head_weights(), x, labels_mb, rope, schedule, axis, plan.mesh,
+        return pipelined.loss_and_grads(
+            blocks, model.head_weights(), x, labels_mb, rope, schedule.table(), axis, plan.mesh,
             layer=model.layer(_layer_remat(par.remat), attend), scan=par.scan_layers,
             forward=gpipe_loss, split=split, **where,
             loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])

@@ -4,7 +4,7 @@ B is the input's gradient (the stage before waits for it), W the weights' gradie
 waits for it). `Taps` adds a zero input to each projection's output and records the
 projection's input; differentiating a layer with respect to (x, the zeros) and not the weights
 gives B with the projections' output cotangents, and `split(model, attend)` gives what
-`pipeline.zero_bubble` needs to take W later from (input, cotangent) pairs.
+`pipeline.worker` needs to take W later from (input, cotangent) pairs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Pipeline parallelism over the `stage` mesh axis: microbatched schedules inside one program.
 
-`stage(chunk, x)` applies one chunk of layers and knows nothing of microbatches; a schedule owns
-the ticks, the shifts between stages and the bubble. Two schedules, one module each:
-- `gpipe.run`: every forward tick, then (by autodiff of the tick scan) every backward tick; with
-  circular repeats. It saves what the backward needs of all m microbatches.
-- `one_f_one_b.loss_and_grads`: one forward and one backward per tick, the loss head on the last
-  stage, so a stage keeps at most 2p - 1 microbatches' residuals whatever m is (interleaved
-  with repeats).
-- `zero_bubble.train` (through `one_f_one_b.loss_and_grads`): ZB-H1, the backward split into
-  input and weight gradients, each stage running its own operation per slot from a table
-  (interleaved with repeats).
-Here: the `Schedule` (its ticks, bubble and in-flight microbatches), the order the stacked layers
-are stored in, and the per-device helpers both schedules use.
+A schedule is a table (`table.build`): the operation each stage runs in each slot, and the
+buffer slot every value waits in. GPipe, 1F1B (interleaved with circular repeats) and ZB-H1
+are three tables; one runtime (`run`) executes any of them, with one stage worker (`worker`)
+for the forward that stashes, the backward in place and W. `Schedule` replays the table for
+every figure the planner and the logs use (ticks, bubble, in-flight passes, shifts, FLOPs).
+Here also: the order the stacked layers are stored in.
 """
 
 from __future__ import annotations
@@ -22,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..manual import psum, select, vary
+from .table import build
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -31,43 +26,69 @@ class Schedule:
     repeats: int = 1  # v
     kind: str = "gpipe"  # gpipe | 1f1b | zb_h1
 
+    def table(self):
+        return build(self.kind, self.stages, self.microbatches, self.repeats)
+
     @property
     def ticks(self) -> int:
-        """Forward ticks (GPipe: and as many backward ticks), or 1F1B's ticks, each a forward
-        and a backward on every stage but the p - 1 forward-only ticks of the warm-up and the
-        p - 1 backward-only ticks of the cool-down, or ZB-H1's slots of one chunk's F, B or W
-        each (its table's: 3 v m + p - 1 when m >= p)."""
-        p, m, v = self.stages, self.microbatches, self.repeats
-        if self.kind == "1f1b":  # v p - 1 forward-only, v m + p - v p, v p - 1 backward-only
-            return v * m + (v + 1) * p - 2
-        if self.kind == "zb_h1":
-            return len(self.table().rows) - (p - 1)
-        return v * m + p - 1
+        """Slots that compute: GPipe's forward slots (as many backward ones mirror them),
+        1F1B's slots of a forward and a backward lane, ZB-H1's slots of one F, B or W."""
+        return self.table().ticks
 
-    def table(self):
-        """ZB-H1's operations and buffer slots (`zb_table.zb_table`)."""
-        from .zb_table import zb_table
+    @property
+    def head_inside(self) -> bool:
+        """Whether the loss head runs inside the schedule, on the last stage per microbatch
+        (1F1B, ZB-H1), or after it, spread over the stages (GPipe)."""
+        return self.table().mode != "autodiff"
 
-        return zb_table(self.stages, self.microbatches, self.repeats)
+    @property
+    def mode(self) -> str:
+        """How the table runs (`table.Table.mode`): autodiff, lockstep or switch."""
+        return self.table().mode
+
+    @property
+    def recomputes_stage(self) -> bool:
+        """Whether the backward redoes each stage's forward from its input whatever the remat
+        policy: an autodiff table with v > 1 picks its chunk by a traced index, which it
+        checkpoints rather than save a copy of a chunk's weights per slot (`run.forward`)."""
+        return self.mode == "autodiff" and self.repeats > 1
+
+    @property
+    def saved_passes(self) -> int:
+        """Passes whose residuals a stage holds at the backward's start: every slot's under
+        autodiff (bubbles included), else the stash's."""
+        return self.ticks if self.mode == "autodiff" else self.in_flight
+
+    @property
+    def forwards(self) -> int:
+        """Chunk forwards a stage computes, bubbles included (as many backwards)."""
+        return self.table().forwards()
+
+    @property
+    def head_runs(self) -> int:
+        """Slots a stage's loop holds the head's conditional in: a lockstep table's phases
+        with a last virtual stage's forward in them, a switch's last-stage forwards."""
+        table = self.table()
+        if table.mode == "switch":
+            return int((table.op("dy_to") >= 0).sum())
+        return sum(e - b for b, e, _, head in table.phases() if head)
+
+    def shifts(self) -> int:
+        """Microbatch-sized values moved between neighbouring stages per step."""
+        return sum(self.table().shifts().values())
 
     @property
     def flops_ratio(self) -> float:
         """Per-device layer FLOPs times p over those without a pipeline: (v·m + p − 1)/(v·m)
-        for the lockstep schedules (every stage computes at every tick; 1F1B's warm-up and
-        cool-down hold p - 1 forwards and p - 1 backwards); 1 for ZB-H1, whose idle slots
-        compute nothing."""
-        v, m = self.repeats, self.microbatches
-        if self.kind == "zb_h1":
-            return 1.0
-        return (v * m + self.stages - 1) / (v * m)
+        for the lockstep schedules (every stage computes at every slot of a lane's phases);
+        1 for ZB-H1, whose idle slots compute nothing."""
+        return self.table().flops_ratio
 
     @property
     def bubble(self) -> float:
-        """The idle fraction of each stage's time: (p - 1)/(v·m + p - 1) in lockstep, where
-        F, B and W cost alike; ZB-H1's idle slots, p - 1 of 3vm + p - 1 when m >= p."""
-        if self.kind == "zb_h1":
-            return 1 - 3 * self.repeats * self.microbatches / self.ticks
-        return 1 - 1 / self.flops_ratio
+        """The idle fraction of each stage's time: (p - 1)/(v·m + p - 1) in lockstep;
+        ZB-H1's idle slots, p - 1 of 3vm + p - 1 when m >= p."""
+        return self.table().bubble
 
     @property
     def theory(self) -> str:
@@ -75,18 +96,10 @@ class Schedule:
 
     @property
     def in_flight(self) -> int:
-        """Passes whose residuals the first stage keeps at once: all m microbatches under
-        GPipe (v m chunk passes when circular); in 1F1B's lockstep ticks a microbatch's backward
-        reaches stage s 2(p - 1 - s) ticks after its forward, so stage 0 keeps 2p - 1 (or m,
-        if fewer); interleaved, 2 v p - 1 chunk passes, each 1/v of the stage's layers. ZB-H1
-        keeps a pass from its forward to its W: min(p, m) microbatches, v p chunk passes
-        interleaved (its table's peak)."""
-        p, m, v = self.stages, self.microbatches, self.repeats
-        if self.kind == "1f1b":
-            return min(2 * p - 1, m) if v == 1 else 2 * p * v - 1
-        if self.kind == "zb_h1":
-            return self.table().stash_slots
-        return v * m
+        """Passes whose residuals a stage keeps at once (the table's stash slots): all v m
+        under GPipe; 1F1B's stage 0 keeps min(2p - 1, m); ZB-H1 keeps a pass from its forward
+        to its W, min(p, m) microbatches (v p chunk passes interleaved)."""
+        return self.table().in_flight
 
     @property
     def in_flight_unit(self) -> str:
@@ -165,85 +178,3 @@ def reorder_layers(tree, order: np.ndarray, inverse: bool = False):
         return jnp.where(pad.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
 
     return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def rings(p: int) -> tuple[list, list]:
-    """`ppermute` pairs one stage ahead and one stage back round the ring of p stages."""
-    return [(s, (s + 1) % p) for s in range(p)], [(s, (s - 1) % p) for s in range(p)]
-
-
-def next_input(x_in, belt, t, period: int):
-    """The input belt at tick t: every `period` ticks each stage puts its next microbatch (slot
-    t // period of its share of `x_in`[mb, n, ...]) on the belt, which moves one stage back per
-    tick, so stage 0 finds microbatch j p + s there at tick j period + s (`Schedule.feed` puts
-    it on stage s): at tick i with period p, as GPipe and 1F1B take them; interleaved 1F1B
-    takes p microbatches every p v ticks."""
-    n = x_in.shape[1]
-    mine = jax.lax.dynamic_index_in_dim(x_in, jnp.minimum(t // period, n - 1), 1, keepdims=False)
-    return select(t % period == 0, mine, belt)
-
-
-def split_residuals(vjp_fn, known):
-    """(residuals to stash, where): the vjp's leaves that are not one of `known`'s leaves (the
-    layer's weights and the RoPE tables: a residual that is one is the very same value), and
-    for each leaf the index of the known value it is (None: stashed)."""
-    index = {id(w): k for k, w in enumerate(jax.tree.leaves(known))}
-    leaves = jax.tree.leaves(vjp_fn)
-    where = tuple(index.get(id(leaf)) for leaf in leaves)
-    return [leaf for leaf, k in zip(leaves, where) if k is None], where
-
-
-def rebuild(treedef, where, stashed, known):
-    """The vjp function of a stashed forward, its known values put back."""
-    known, stashed = jax.tree.leaves(known), iter(stashed)
-    return jax.tree.unflatten(treedef, [next(stashed) if k is None else known[k] for k in where])
-
-
-def head_grads(loss, head, labels, y, i, last, manual):
-    """If `last` (the last virtual stage's forward): (loss, dloss/dy, dloss/dhead) of
-    microbatch i's output y (labels[m, ...]; `loss(head, y, labels)` its summed loss), else
-    zeros."""
-    m = labels.shape[0]
-    lab = jax.lax.dynamic_index_in_dim(labels, jnp.clip(i, 0, m - 1), 0, keepdims=False)
-    lab = vary(jnp.where((i >= 0) & (i < m), lab, -1), manual)  # -1: not counted
-
-    def compute():
-        total, vjp_fn = jax.vjp(lambda h, y: loss(h, y, lab), head, y)
-        d_head, d_y = vjp_fn(jnp.ones_like(total))
-        return total, d_y, d_head
-
-    def skip():
-        return (jnp.zeros_like(y, jnp.float32, shape=()), jnp.zeros_like(y),
-                jax.tree.map(jnp.zeros_like, head))
-
-    return jax.lax.cond(last, compute, skip)
-
-
-def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str):
-    """What a schedule's per-stage function returns, its sums done: the stage's layer
-    gradients summed over the manual axes but the stage's (once, after the loop), the loss and
-    head gradients over all of them."""
-    others = tuple(a for a in manual if a != axis)
-    g_stack = psum(g_stack, others) if others else g_stack
-    return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-            psum(g_head, manual), dx_out[None])
-
-
-def run_stages(per_stage, blocks, head, x_in, labels, consts, axis: str, mesh, batch_axis,
-               seq_axis):
-    """(summed loss, (block grads, head grads, input grads)): `per_stage(stack, head, x_in,
-    labels, consts)` in a shard_map manual over `axis` (and `batch_axis`, `seq_axis` where
-    given), each stage given its [L/p, ...] share of `blocks` in storage order and its share
-    of the x_in[p, mb, n, T, D] buffers; gradients cast back to the parameters' dtypes."""
-    from jax.sharding import PartitionSpec as P
-
-    p = mesh.shape[axis]
-    stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
-    manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
-    buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
-    total, g_stack, g_head, dx = jax.shard_map(
-        per_stage, mesh=mesh, axis_names=manual,
-        in_specs=(P(axis), P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
-        out_specs=(P(), P(axis), P(), buffer))(stacks, head, x_in, labels, consts)
-    g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
-    return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)

@@ -47,7 +47,10 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str]:
     if m.dtype == "auto":
         m = replace(m, dtype=compute_dtype(m.dtype, platform))
         cfg = replace(cfg, model=m)
-    branched = cfg.mesh.stage > 1 and cfg.parallel.pipeline_schedule == "zb_h1"
+    par = cfg.parallel  # a switch table runs each stage's layers inside a conditional
+    branched = cfg.mesh.stage > 1 and Schedule(cfg.mesh.stage, cfg.train.microbatches,
+                                               par.pipeline_repeats,
+                                               par.pipeline_schedule).mode == "switch"
     return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
                        seq=cfg.mesh.seq, hopper=hopper, branched=branched)
 

@@ -22,10 +22,9 @@ RECOMPUTE = {"none": 0, "save_dots": 0, "full": 1, "stage": 2}
 
 def redone(plan) -> int:
     """Forwards of the layers the backward redoes: the remat policy's, and a circular GPipe's
-    stage checkpoint (`gpipe.run`) one more, unless stage remat already counts it."""
+    stage checkpoint (`Schedule.recomputes_stage`) one more, unless stage remat counts it."""
     s, remat = plan.schedule, plan.cfg.parallel.remat
-    circular = s is not None and s.kind == "gpipe" and s.repeats > 1 and remat != "stage"
-    return RECOMPUTE[remat] + circular
+    return RECOMPUTE[remat] + (s is not None and s.recomputes_stage and remat != "stage")
 
 
 def flops(plan) -> dict:
@@ -44,7 +43,7 @@ def flops(plan) -> dict:
     redo = redone(plan)  # save_dots keeps the matmuls' results, not the scores
     redo_attention = redo + (1 if remat == "save_dots" else 0)
     # lockstep schedules: every stage computes at every tick; ZB-H1's idle slots compute nothing
-    stretch = s.flops_ratio if s is not None and s.kind != "zb_h1" else 1.0
+    stretch = s.flops_ratio if s is not None else 1.0
     layers_m, layers_a = matmul_fwd * (3 + redo) * stretch, attention_fwd * (3 + redo_attention) * stretch
     head = 6 * (matmul_params(m) - m.num_layers * m.layer_params)
     return {"model": flops_per_token(m, t) * tokens, "matmul": (layers_m + head) * tokens,
@@ -99,16 +98,11 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         if axes and nbytes and times:
             items.append((what, kind, axes, float(nbytes) * times))
 
-    # layer passes a device runs: forward and backward (lockstep schedules compute at every
-    # tick, bubbles included; ZB-H1 only at its F and B slots)
+    # layer passes a device runs: forward and backward (lockstep, bubbles included)
     if s is None:
         fwd = bwd = micro * stored
-    elif s.kind == "gpipe":
-        fwd = bwd = s.ticks * chunk
-    elif s.kind == "1f1b":
-        fwd = bwd = (s.repeats * s.microbatches + s.stages - 1) * chunk
     else:
-        fwd = bwd = s.repeats * s.microbatches * chunk
+        fwd = bwd = s.forwards * chunk
     # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
     restage = bwd * (redone(plan) - (1 if remat == "full" else 0))
 
@@ -126,10 +120,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
     # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
     head_tokens = tokens
-    if s is not None and s.kind != "gpipe":
-        steady = (s.repeats * s.microbatches + s.stages - s.repeats * s.stages
-                  if s.kind == "1f1b" else s.microbatches)
-        head_tokens = n * steady
+    if s is not None and s.head_inside:
+        head_tokens = n * s.head_runs
     add("embedding lookup", "reduce", ("tensor",), tokens * m.d_model * max(pb, F32))
     add("head input gradient", "reduce", ("tensor",), head_tokens * m.d_model * F32)
     if sp:
@@ -150,20 +142,12 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - (q == 2)) * bwd)
         add("ring dK, dV", "permute", ("seq",), 2 * n * w.kv * F32, q * bwd)
 
-    # stage: GPipe shifts the activation ahead and the belt (two slots) back each tick, and
-    # the same back in the backward; 1F1B per tick the activation ahead and the belt back
-    # (forward ticks), the cotangent back (backward ticks) and the input-gradient belt ahead
-    # (every tick); ZB-H1 four per slot
+    # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
     if s is not None:
         res = act / (t if sp else 1)
-        if s.kind == "gpipe":
-            moves = 6 * s.ticks
-        elif s.kind == "1f1b":
-            edge = s.repeats * s.stages - 1  # warm-up and cool-down ticks
-            moves = 3 * edge + 4 * (s.ticks - 2 * edge) + 2 * edge + (s.stages - 1)
-            moves -= (edge == 1) + (s.stages == 2)  # one-tick phases' unused last shifts
-        else:  # and p - 1 more slots for the last input gradients' belt
-            moves = 4 * (s.ticks + s.stages - 1)
+        moves = s.shifts()
+        if s.mode != "autodiff":  # XLA drops the unused last shifts of one-slot phases
+            moves -= (s.mode == "lockstep" and s.repeats * s.stages == 2) + (s.stages == 2)
         add("pipeline shifts", "permute", ("stage",), res, moves)
 
     # gradients: reduced over what splits the tokens (data, seq; the embedding and head also
@@ -247,7 +231,7 @@ def step_time(plan, flop: dict | None = None, comm: dict | None = None) -> dict:
 
     compute, bubble = seconds(""), seconds("bubble_")
     s = plan.schedule
-    if s is not None and s.kind == "zb_h1":  # its idle slots, in time
+    if s is not None and s.mode == "switch":  # its idle slots, in time
         bubble = compute * s.bubble / (1 - s.bubble)
         compute += bubble
     crosses = _crosses_nodes(plan)

@@ -108,7 +108,7 @@ def stage_layers(plan) -> int:
 
 def working_terms(plan) -> dict:
     """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
-    collects, its belt, a circular GPipe's wrap-around slots and ZB-H1's inboxes) and of one
+    collects, its belts and its inboxes) and of one
     piece of the loss (its logits, softmax and one-hot, fp32)."""
     from ..vocab import loss_chunks
 
@@ -118,14 +118,10 @@ def working_terms(plan) -> dict:
     rows = t.global_batch // micro // mesh["data"]
     row = rows * t.seq_len // mesh["seq"]  # tokens of one microbatch on a device
     buffers, tokens = 0, row
-    if plan.schedule:
+    if plan.schedule:  # the stage's input and output slots, two belts and the inboxes
         slots = -(-micro // plan.schedule.stages)
-        wrap = plan.schedule.repeats > 1 and plan.schedule.kind == "gpipe"  # circular GPipe
-        inboxes = 0
-        if plan.schedule.kind == "zb_h1":  # activations and cotangents waiting for their op
-            table = plan.schedule.table()
-            inboxes = table.x_slots + table.ct_slots
-        buffers = (2 * slots + 2 + inboxes + (micro if wrap else 0)) * row * m.d_model
+        table = plan.schedule.table()
+        buffers = (2 * slots + 2 + table.x_slots + table.ct_slots) * row * m.d_model
         tokens = slots * row
     piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
     return {"pipeline_buffers": buffers * itemsize(m.dtype),
@@ -209,12 +205,12 @@ def activation_bytes(plan) -> dict:
     layers = len(plan.layer_order) // (s.stages if s else 1)  # stored on this device
     chunk = layers // (s.repeats if s else 1)  # one pass: a chunk (a stage's layers if v = 1)
     # a pass that keeps its input alone: stage remat, and circular GPipe's recomputed stages
-    whole = policy == "stage" or (s is not None and s.kind == "gpipe" and s.repeats > 1)
+    whole = policy == "stage" or (s is not None and s.recomputes_stage)
     if s is None:  # gradient accumulation: one microbatch's layers at a time
         passes, per_pass = 1, c * w.d if whole else layers * layer_saved(w, policy, c)
-    else:  # GPipe keeps every tick's pass (bubbles included); 1F1B and ZB-H1 their stash
-        passes = s.ticks if s.kind == "gpipe" else s.in_flight
-        kept = layer_saved if s.kind == "gpipe" else layer_stashed
+    else:  # autodiff keeps every slot's pass (bubbles included), the others their stash
+        passes = s.saved_passes
+        kept = layer_saved if s.mode == "autodiff" else layer_stashed
         per_pass = c * w.d if whole else chunk * kept(w, policy, c)
     inner = "full" if policy == "stage" else policy  # the policy inside a stage checkpoint
     working = layer_working(w, inner, c)
@@ -241,7 +237,7 @@ def memory(plan) -> dict:
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
     # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
     sharded = plan.rules.grads_over_batch and mesh["data"] > 1
-    kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.kind != "gpipe"
+    kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0)
     loss, layer = kinds["logits_loss"], kinds["layer_working"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
@@ -253,12 +249,12 @@ def memory(plan) -> dict:
         # its buffer reuses one that is live anyway
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0
-    if s is not None and s.kind == "zb_h1":
+    if s is not None and s.mode == "switch":
         # each device's branch of the per-stage switch has buffers of its own: the head's
         # forward (F) and backward (B) each hold a loss piece, and the W stash waits
         kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
         peak = 2 * loss + layer + kinds["w_stash"]
-    elif s is not None and s.kind == "1f1b":  # a tick runs a forward (the head's too) and a backward
+    elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
         peak = loss + layer
     elif s is not None:  # GPipe's backward, autodiff of its tick loop: each tick hands back a
         # fresh fp32 gradient of the stage's layers beside the accumulator
