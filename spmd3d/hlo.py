@@ -8,7 +8,9 @@ calls (a branch is counted as if taken: what the device that takes it moves).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -109,14 +111,15 @@ def _axes_of(groups, kind: str, mesh_shape: dict) -> tuple:
 _WHILE = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"")
 # computations run once where they are called: a conditional's branches, a call's body
 _CALLED = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)"
-                     r"|false_computation=%?([\w.\-]+)|\bcall\(.*?to_apply=%?([\w.\-]+))")
+                     r"|false_computation=%?([\w.\-]+)|\bcall\(.*?to_apply=%?([\w.\-]+)"
+                     r"|\bcalls=%?([\w.\-]+))")
 
 
-def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
-    """Every collective op of an HLO module text (`compiled.as_text()`), with its loop trips."""
-    # loops: a while body, a branch or a called computation -> (the computation holding the
-    # op, the times it runs per run of that computation)
-    out, comp, loops = [], "?", {}
+def _walk(hlo_text: str):
+    """(lines as (computation, line), trips(computation)): every instruction line with the
+    computation holding it, and the times a computation runs per run of the module -- the
+    trip counts of the loops around it, through conditional branches, calls and fusions."""
+    lines, comp, loops = [], "?", {}
     for line in hlo_text.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)
         c = _COMP.match(line)
@@ -125,21 +128,59 @@ def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
             continue
         w = _WHILE.search(line)
         if w:
-            loops[w.group(1)] = (comp, int(w.group(2)))
+            loops.setdefault(w.group(1), []).append((comp, int(w.group(2))))
         for called in _CALLED.findall(line):
             for name in re.findall(r"[\w.\-]+", ",".join(called).replace("%", "")):
-                loops.setdefault(name, (comp, 1))
+                loops.setdefault(name, []).append((comp, 1))
+        lines.append((comp, line))
+
+    @functools.cache
+    def trips(name, depth=0):  # summed over every place the computation is run from
+        callers = loops.get(name)
+        if not callers or depth > 16:
+            return 1
+        return sum(n * trips(parent, depth + 1) for parent, n in callers)
+
+    return lines, trips
+
+
+def collectives(hlo_text: str, mesh_shape: dict) -> list[Collective]:
+    """Every collective op of an HLO module text (`compiled.as_text()`), with its loop trips."""
+    lines, trips = _walk(hlo_text)
+    out = []
+    for comp, line in lines:
         m = _OP.match(line)
         if m:
             kind = m.group("kind")
             axes = _axes_of(_groups(m.group("rest")), kind, dict(mesh_shape))
-            out.append(Collective(kind, _shape_bytes(m.group("shape")), axes, comp))
+            out.append(Collective(kind, _shape_bytes(m.group("shape")), axes, comp, trips(comp)))
+    return out
 
-    def trips(name, depth=0):
-        parent, n = loops.get(name, (None, 1))
-        return n if parent is None or depth > 8 else n * trips(parent, depth + 1)
 
-    return [Collective(c.kind, c.bytes, c.axes, c.computation, trips(c.computation)) for c in out]
+_DOT = re.compile(_HEAD + r"dot\(%?(?P<lhs>[\w.\-]+),.*lhs_contracting_dims=\{(?P<k>[\d,]*)\}")
+
+
+def _dims(shape: str) -> list[int]:
+    return [int(x) for x in _ARRAY.match(shape).group(2).split(",") if x]
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """FLOPs of every dot in an HLO module text, each times the trips of the loops around it:
+    2 x the result's elements x the contracted size. Unlike XLA's cost analysis, which counts
+    a loop body once, this reads a scanned program as it runs (every branch of a conditional
+    counts: meant for the lockstep schedules, whose only conditional is the head's)."""
+    lines, trips = _walk(hlo_text)
+    shapes, total = {}, 0.0
+    for comp, line in lines:
+        head = re.match(_HEAD, line)
+        if head and _ARRAY.match(head.group("shape")):
+            shapes[(comp, head.group("name"))] = head.group("shape")
+        m = _DOT.match(line)
+        if m:
+            lhs = _dims(shapes[(comp, m.group("lhs"))])
+            contracted = math.prod(lhs[int(k)] for k in m.group("k").split(",") if k)
+            total += 2.0 * math.prod(_dims(m.group("shape"))) * contracted * trips(comp)
+    return total
 
 
 def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:

@@ -123,3 +123,31 @@ ENTRY %main (a: f32[8]) -> f32[8] {
         ("all-reduce", ("data", "tensor"), 1)]
     assert hlo.bytes_per_axis(colls, mesh) == {"data": 3 * 32 + 32, "stage": 0,
                                                "tensor": 3 * 32 + 32, "seq": 0}
+
+
+def test_matmul_flops_count_every_trip_of_a_scanned_program():
+    """`hlo.matmul_flops` reads a compiled scan as it runs: a loop of 5 matmuls inside a loop
+    of 3, whose body computation also runs once outside it, counts 2 m n k for each of the
+    3 x 5 + 1, as it does in the same program unrolled (XLA's cost analysis of the scanned
+    program counts each loop body once)."""
+    import jax
+    import jax.numpy as jnp
+
+    from spmd3d.manual import unrolled_loops, unroll
+
+    def inner(x, w):
+        return jax.lax.scan(lambda x, _: (jnp.tanh(x @ w), None), x, None, length=5,
+                            unroll=unroll())[0]
+
+    def f(x, w):
+        x = jax.lax.scan(lambda x, _: (inner(x, w), None), x, None, length=3, unroll=unroll())[0]
+        return x @ w
+
+    args = (jnp.ones((16, 32)), jnp.ones((32, 32)))
+    one = 2 * 16 * 32 * 32
+    compiled = jax.jit(f).lower(*args).compile()
+    assert hlo.matmul_flops(compiled.as_text()) == (3 * 5 + 1) * one
+    with unrolled_loops():
+        unrolled = jax.jit(f).lower(*args).compile()
+    assert hlo.matmul_flops(unrolled.as_text()) == (3 * 5 + 1) * one
+    assert hlo.flops(compiled) < 3 * one  # what the cost analysis sees of the loops

@@ -143,9 +143,14 @@ def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
     assert Schedule(4, 8, 2).ticks == 19 and abs(Schedule(4, 8, 1).bubble - 3 / 11) < 1e-12
 
 
-def per_device_flops(layers, extra=(), **kw):
+def per_device_flops(layers, extra=(), unrolled=False, **kw):
+    """Per-device FLOPs of the step: its matmuls as the scanned program runs them
+    (`hlo.matmul_flops`: each loop body times its trips), or XLA's cost analysis of the program
+    traced with every loop unrolled."""
     c = cfg(**kw, extra=[f"model.num_layers={layers}", *extra])
     job = runtime.setup(c, devices_for(c))
+    if not unrolled:
+        return hlo.matmul_flops(job.compile()[0].as_text())
     with manual.unrolled_loops():  # cost analysis counts a loop body once
         return hlo.flops(job.compile()[0])
 
@@ -279,8 +284,8 @@ def stack_flops(**kw):
 
 
 @functools.cache
-def unpipelined_stack_flops(remat):
-    return stack_flops(remat=remat)
+def unpipelined_stack_flops(remat, unrolled):
+    return stack_flops(remat=remat, unrolled=unrolled)
 
 
 @pytest.mark.xdist_group("bubble")  # one worker: the unpipelined stacks computed once
@@ -292,12 +297,16 @@ def test_bubble_flops_match_the_schedule(p, m, v, kind):
     """Every stage computes at every tick, so the layer stack's FLOPs per device times p over
     the unpipelined ones is the schedule's (v*m + p - 1) / (v*m): the bubble, no more. 1F1B's
     warm-up and cool-down ticks run forwards alone and backwards alone, so it computes as
-    much as GPipe; interleaved, (v*m + p - 1) chunk forwards and backwards per stage. (A
-    circular GPipe recomputes each stage in the backward, so both sides use stage remat;
-    interleaved 1F1B keeps residuals as 1F1B does.)"""
-    remat = "stage" if v > 1 and kind == "gpipe" else "none"
-    one = unpipelined_stack_flops(remat)
-    piped = stack_flops(stage=p, micro=m, remat=remat, extra=[
+    much as GPipe; interleaved, (v*m + p - 1) chunk forwards and backwards per stage. Counted
+    on the scanned program as it runs (`hlo.matmul_flops`), except a circular GPipe: it
+    recomputes each stage in the backward, so both sides use stage remat, and a chunk of one
+    layer then skips the stage recompute the 4-layer step's chunks need (its only input is
+    stashed): read with every loop unrolled, where XLA merges the two recomputes, the stack
+    differences compare. (Interleaved 1F1B keeps residuals as 1F1B does.)"""
+    circular = v > 1 and kind == "gpipe"
+    remat = "stage" if circular else "none"
+    one = unpipelined_stack_flops(remat, circular)
+    piped = stack_flops(stage=p, micro=m, remat=remat, unrolled=circular, extra=[
         f"parallel.pipeline_repeats={v}", f"parallel.pipeline_schedule={kind}"])
     measured = piped * p / one
     theory = Schedule(p, m, v, kind).flops_ratio
