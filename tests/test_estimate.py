@@ -147,3 +147,35 @@ def test_unrolled_layers_compile_scanned_and_the_estimate_says_they_keep_more():
     assert footprint.compiled_layout(cfg, 8)[0].parallel.scan_layers is True
     assert "layers unrolled" not in lines("parallel.remat=full")[0]
     assert "layers unrolled" not in lines("parallel.scan_layers=false", "parallel.remat=none")[0]
+
+
+# a layout where each compiler quirk applies: (config overrides, topology)
+QUIRK_LAYOUTS = {
+    "one_trip_loops_inlined": dict(seq=2, data=2, tensor=2),
+    "reduce_inside_accumulation": dict(data=8, micro=2),
+    "lookup_moves_cotangents": dict(data=8, zero=2),
+    "vjp_hands_over_more": dict(data=2, stage=2, tensor=2, micro=2,
+                                extra=["parallel.pipeline_schedule=1f1b"]),
+    "fresh_stage_gradient": dict(data=2, stage=2, tensor=2, micro=2),
+    "branch_buffers": dict(data=2, stage=2, tensor=2, micro=2,
+                           extra=["parallel.pipeline_schedule=zb_h1"]),
+    "head_gradient_fp32_copy": dict(data=8, extra=["model.dtype=bfloat16"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUIRK_LAYOUTS))
+def test_each_compiler_quirk_moves_the_estimate(name, monkeypatch):
+    """The compiler's quirks are one table (`plan/quirks.py`) the estimate reads: taking an
+    entry out changes the estimate of a layout where it applies, and a jax other than the one
+    the table was measured on is named in the report."""
+    from spmd3d.plan import quirks
+
+    assert set(QUIRK_LAYOUTS) == set(quirks.QUIRKS)
+    plan = Plan.resolve(small_config(**QUIRK_LAYOUTS[name]), topology=load_topology("cpu"))
+    before = estimate.estimate(plan)
+    monkeypatch.setitem(quirks.QUIRKS, name, quirks.Quirk("nowhere", ""))
+    after = estimate.estimate(plan)
+    assert (before["memory"]["needed_bytes"], before["collectives"]["result"]) != (
+        after["memory"]["needed_bytes"], after["collectives"]["result"])
+    assert quirks.stale(quirks.MEASURED_ON + ".7") is None
+    assert "jax 9.1.0" in quirks.stale("9.1.0")

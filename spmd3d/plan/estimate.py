@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, tokens_per_pass)
+from . import quirks
+from .quirks import applies
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +81,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     it reduces, a gather by those it gathers, a permute or all-to-all by those it moves.
     Mirrors what the step compiles to (read from the HLO of the layouts `tests/test_estimate.py`
     compiles): the dtypes each value crosses in, where XLA reuses a value instead of moving it
-    again, and a one-trip loop inlined with its last, unused shift removed."""
+    again, and the compiler's quirks (`quirks.py`)."""
     cfg, s, mesh = plan.cfg, plan.schedule, dict(plan.mesh.shape)
     m, par, rules = cfg.model, cfg.parallel, plan.rules
     d, p, t, q = mesh["data"], mesh["stage"], mesh["tensor"], mesh["seq"]
@@ -129,24 +131,25 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("embedding cotangent gathered", "gather", ("tensor",), tokens * m.d_model * F32)
 
     # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
-    # shift is the backward's), and K, V with their fp32 gradients n times in the backward;
-    # with n = 2 the one-step loops are inlined and their last shifts of K and V dropped
+    # shift is the backward's), and K, V with their fp32 gradients n times in the backward
     kv = n * w.kv * c
+    inlined = applies("one_trip_loops_inlined")
     if q > 1 and plan.attention == "gather":  # ZB-H1: the whole sequence's K and V gathered
         # again in the backward (a layer's recompute reuses that gather, a stage's does not),
         # their fp32 gradients reduce-scattered
         add("K, V gathered", "gather", ("seq",), 2 * q * kv, fwd + restage + bwd)
         add("dK, dV reduce-scattered", "reduce-scatter", ("seq",), 2 * q * n * w.kv * F32, bwd)
     elif q > 1:
-        shifts = (q if q > 2 else 1) * fwd + (q - 1 if q > 2 else 0) * (fwd * redone(plan))
-        add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - (q == 2)) * bwd)
+        two = q == 2 and inlined  # one-step loops: their last shifts of K and V dropped
+        shifts = (1 if two else q) * fwd + (0 if two else q - 1) * (fwd * redone(plan))
+        add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - two) * bwd)
         add("ring dK, dV", "permute", ("seq",), 2 * n * w.kv * F32, q * bwd)
 
     # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
     if s is not None:
         res = act / (t if sp else 1)
         moves = s.shifts()
-        if s.mode != "autodiff":  # XLA drops the unused last shifts of one-slot phases
+        if s.mode != "autodiff" and inlined:  # one-slot phases' unused last shifts dropped
             moves -= (s.mode == "lockstep" and s.repeats * s.stages == 2) + (s.stages == 2)
         add("pipeline shifts", "permute", ("stage",), res, moves)
 
@@ -157,7 +160,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # the head in fp32 (summed inside the loss's or the schedule's shard_map: `manual.vary`)
     shapes = param_shapes(m, len(plan.layer_order))
     sharded = rules.grads_over_batch and d > 1
-    times = plan.accum_steps  # XLA reduces inside the accumulation loop, ZeRO-0 too
+    times = plan.accum_steps if applies("reduce_inside_accumulation") else 1
 
     def size(keys, table):
         return sum(shard_size(*shapes[k], table, mesh) for k in keys)
@@ -176,7 +179,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     add("head gradient", "reduce", rows_split + ("seq",),
         size(["head"], rules.compute) * F32 + m.d_model * F32, times)
     embed = size(["embed"], rules.compute) * F32
-    if sharded and t == 1:  # a plain lookup: XLA moves the tokens' cotangents, not the table
+    if sharded and t == 1 and applies("lookup_moves_cotangents"):
         add("embedding cotangents", "all-to-all", ("data",), n * m.d_model * F32,
             plan.accum_steps)
         add("embedding ids", "gather", ("data",), n * d * 4, plan.accum_steps)
@@ -311,4 +314,6 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
     ]
     if compiled is not None:  # FLOPs and time have no compiled counterpart here
         lines = [x for x in lines if not x.startswith(("  FLOPs", "  step time"))]
-    return lines
+    import jax
+
+    return lines + ([quirks.stale(jax.__version__)] if quirks.stale(jax.__version__) else [])

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .quirks import applies
 
 F32 = 4
 
@@ -175,10 +176,9 @@ def layer_saved(w: Widths, policy: str, c: int) -> float:
 
 def layer_stashed(w: Widths, policy: str, c: int) -> float:
     """Bytes per token of a layer's residuals as autodiff hands them over (`jax.vjp`), which
-    1F1B and ZB-H1 stash by hand: under `none` more than XLA keeps when it schedules the
-    backward itself -- the blocked kernel's masks and masked scores (5 bytes a score) and a
-    second fp32 copy in each norm."""
-    extra = 5 * w.scores + 2 * F32 * w.d_full if policy == "none" else 0
+    1F1B and ZB-H1 stash by hand (quirk `vjp_hands_over_more`)."""
+    more = policy == "none" and applies("vjp_hands_over_more")
+    extra = 5 * w.scores + 2 * F32 * w.d_full if more else 0
     return layer_saved(w, policy, c) + extra
 
 
@@ -242,23 +242,16 @@ def memory(plan) -> dict:
     loss, layer = kinds["logits_loss"], kinds["layer_working"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
     if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and mesh["data"] > 1
-            and c < F32):
-        # the loss's shard_map sums the head's gradient over data in fp32 (`manual.vary`): an
-        # fp32 copy beside the compute dtype's at the loss's peak. Measured on XLA:CPU (jax
-        # 0.10) in this case only: with SP, the ring, a pipeline or accumulated microbatches
-        # its buffer reuses one that is live anyway
+            and c < F32 and applies("head_gradient_fp32_copy", plan.platform)):
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0
-    if s is not None and s.mode == "switch":
-        # each device's branch of the per-stage switch has buffers of its own: the head's
-        # forward (F) and backward (B) each hold a loss piece, and the W stash waits
+    if s is not None and s.mode == "switch":  # the W stash waits beside the branches
         kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
-        peak = 2 * loss + layer + kinds["w_stash"]
+        peak = (1 + applies("branch_buffers")) * loss + layer + kinds["w_stash"]
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
         peak = loss + layer
-    elif s is not None:  # GPipe's backward, autodiff of its tick loop: each tick hands back a
-        # fresh fp32 gradient of the stage's layers beside the accumulator
-        peak = max(loss, layer + stage_layers(plan) * F32)
+    elif s is not None:  # GPipe's backward, autodiff of its slot loop
+        peak = max(loss, layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
     else:
         peak = max(loss, layer)
     del kinds["w_stash_per_pass"]  # a factor, not a kind

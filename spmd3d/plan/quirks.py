@@ -1,0 +1,61 @@
+"""What the compiler does that the planner's arithmetic cannot derive from the program, each
+named once with what it is, the backend and the jax release it was measured on
+(`tests/test_estimate.py` compiles the layouts that show each). The planner reads an entry
+where it applies (`applies`); a jax other than the one measured is named in the plan's report
+(`stale`), since each may change at the next release: `plan --compile` then says which hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEASURED_ON = "0.10"  # jax major.minor of every entry
+
+
+@dataclass(frozen=True)
+class Quirk:
+    backend: str  # where it was seen: "cpu", or "any" backend XLA compiles for
+    what: str
+
+
+QUIRKS = {
+    "one_trip_loops_inlined": Quirk(
+        "any", "a loop of one trip is inlined, and a value it shifts that nobody reads is "
+        "dropped: the last K, V shifts of a ring of 2, a pipeline's one-slot phases' last "
+        "shifts"),
+    "reduce_inside_accumulation": Quirk(
+        "any", "gradients are reduced over data inside the microbatch accumulation loop, once "
+        "per microbatch, ZeRO-0 too"),
+    "lookup_moves_cotangents": Quirk(
+        "any", "a lookup in an embedding split over data, without tensor parallelism, moves the "
+        "tokens' cotangents and ids, not the table"),
+    "vjp_hands_over_more": Quirk(
+        "any", "jax.vjp of a layer under remat none hands over the blocked kernel's masks and "
+        "masked scores (5 bytes a score) and a second fp32 copy in each norm, which XLA drops "
+        "when it schedules the backward itself: what 1F1B and ZB-H1 stash by hand"),
+    "fresh_stage_gradient": Quirk(
+        "any", "autodiff of GPipe's slot loop hands back a fresh fp32 gradient of the stage's "
+        "layers per slot, beside the accumulator"),
+    "branch_buffers": Quirk(
+        "any", "each branch of a per-device switch has buffers of its own: ZB-H1's F and B "
+        "each hold a loss piece"),
+    "head_gradient_fp32_copy": Quirk(
+        "cpu", "the loss's shard_map sums a narrow head gradient over data in fp32 "
+        "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "
+        "without SP, the ring, a pipeline or accumulated microbatches (there it reuses a "
+        "buffer live anyway)"),
+}
+
+
+def applies(name: str, backend: str = "gpu") -> bool:
+    """Whether quirk `name` holds when compiling for `backend`."""
+    quirk = QUIRKS[name]
+    return quirk.backend in ("any", backend)
+
+
+def stale(version: str) -> str | None:
+    """A line for the plan's report when jax `version` is not the release the table was
+    measured on, else None."""
+    if ".".join(version.split(".")[:2]) == MEASURED_ON:
+        return None
+    return (f"  (the compiler's quirks the estimate assumes were measured on jax {MEASURED_ON}; "
+            f"this is jax {version}: --compile shows which still hold)")
