@@ -11,8 +11,6 @@ layout) and run with `lax.scan`: one compiled block, whatever the depth.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -21,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .attention import causal_attention
-from .config import ModelConfig, compute_dtype
+from .config import DTYPES, ModelConfig
 from .manual import psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
 from .taps import Taps
@@ -177,8 +175,9 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer_order: tuple | None = None):
-        # a plan resolves `dtype: auto`; a model built from a raw config resolves it the same way
-        cfg = replace(cfg, dtype=compute_dtype(cfg.dtype, jax.default_backend()))
+        if cfg.dtype not in DTYPES:  # `auto` is the plan's to resolve, once
+            raise ValueError(f"model.dtype {cfg.dtype!r}: build the model from a plan's config "
+                             "(Plan.resolve picks the compute dtype for the devices)")
         self.cfg = cfg
         order = None if layer_order is None else tuple(int(i) for i in layer_order)
         self.layer_order = None if order == tuple(range(cfg.num_layers)) else order  # -1: pad

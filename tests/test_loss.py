@@ -29,7 +29,8 @@ def test_loss_chunks(tokens, chunk, want):
 def test_chunked_loss_equals_the_cross_entropy_and_ignores_padding():
     """Loss and gradients (activations, head, final norm) equal for every chunking, and equal
     to -log softmax at the label summed over labels >= 0 (padding, -1, counts for nothing)."""
-    cfg = ModelConfig(d_model=32, vocab_size=96, num_heads=2, num_kv_heads=2, d_ff=64)
+    cfg = ModelConfig(d_model=32, vocab_size=96, num_heads=2, num_kv_heads=2, d_ff=64,
+                      dtype="float32")
     graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(params=0)))
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(3, 24, 32)), jnp.float32)
@@ -60,7 +61,8 @@ def compiled_loss(chunk):
 
     from spmd3d.sharding import activation_rules, compute_rules, shardings_for
 
-    cfg = ModelConfig(d_model=128, vocab_size=16384, num_heads=2, num_kv_heads=2, d_ff=64)
+    cfg = ModelConfig(d_model=128, vocab_size=16384, num_heads=2, num_kv_heads=2, d_ff=64,
+                      dtype="float32")
     mesh = jax.make_mesh((4, 1, 2, 1), ("data", "stage", "tensor", "seq"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     rules = compute_rules()
