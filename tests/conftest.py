@@ -1,8 +1,21 @@
-"""Every test runs on 8 simulated CPU devices: the flag must be set before jax is imported."""
+"""Every test runs on 8 simulated CPU devices: the flag must be set before jax is imported.
 
+One persistent compilation cache serves the whole session, its xdist workers and the processes
+tests start (a run resumed in a fresh process, the processes of a multi-host job, a notebook's
+kernel): a program compiled twice is compiled once. It is fresh each session and removed at its
+end, so nothing carries over from one run of the suite to the next."""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process: the workers
+    # and every subprocess inherit it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd3d-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
