@@ -61,13 +61,14 @@ def ours_logits(cfg, params=None, hf_dir=None):
     abstract, shardings = canonical_state(plan)
     if params is None:
         params = convert.load_params(hf_dir, cfg, store.abstract_like(abstract, shardings).params)
-    graphdef = abstract_model(cfg.model)[0]
+    graphdef = abstract_model(plan.cfg.model)[0]
     return np.asarray(make_logits_fn(plan, graphdef, shardings.params)(params, TOKENS))
 
 
 def read_params(run_dir, cfg):
     arrays, _ = checkpoint.read(run_dir, lambda k: k.startswith("params/"))
-    return store.unflat(abstract_model(cfg.model)[1], {k[7:]: v for k, v in arrays.items()})
+    model = Plan.resolve(cfg, jax.devices()[:cfg.mesh.num_devices]).cfg.model  # dtype resolved
+    return store.unflat(abstract_model(model)[1], {k[7:]: v for k, v in arrays.items()})
 
 
 @pytest.mark.parametrize("variant", ["untied_llama3_rope", "tied"])

@@ -143,11 +143,6 @@ class Plan:
         return int(np.prod([self.mesh.shape[a] for a in AXES]))
 
     @property
-    def platform(self) -> str:
-        """The devices' platform, or without devices the topology's."""
-        return _platform(self.mesh, self.topology)[0]
-
-    @property
     def microbatches(self) -> int:
         """Microbatches a step runs: the pipeline's, or those accumulated one after another."""
         return self.schedule.microbatches if self.schedule else self.accum_steps

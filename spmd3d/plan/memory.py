@@ -242,7 +242,7 @@ def memory(plan) -> dict:
     loss, layer = kinds["logits_loss"], kinds["layer_working"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
     if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and mesh["data"] > 1
-            and c < F32 and applies("head_gradient_fp32_copy", plan.platform)):
+            and c < F32 and applies("head_gradient_fp32_copy")):
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0
     if s is not None and s.mode == "switch":  # the W stash waits beside the branches

@@ -1,8 +1,10 @@
 """What the compiler does that the planner's arithmetic cannot derive from the program, each
 named once with what it is, the backend and the jax release it was measured on
 (`tests/test_estimate.py` compiles the layouts that show each). The planner reads an entry
-where it applies (`applies`); a jax other than the one measured is named in the plan's report
-(`stale`), since each may change at the next release: `plan --compile` then says which hold."""
+where it applies (`applies`), on every backend: one seen on XLA:CPU alone is counted for a GPU
+plan too, so the estimate errs high, never low. A jax other than the one measured is named in
+the plan's report (`stale`), since each may change at the next release: `plan --compile` then
+says which still hold."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ MEASURED_ON = "0.10"  # jax major.minor of every entry
 
 @dataclass(frozen=True)
 class Quirk:
-    backend: str  # where it was seen: "cpu", or "any" backend XLA compiles for
+    backend: str  # where it was seen: "cpu", or "any" backend XLA compiled for; "nowhere": off
     what: str
 
 
@@ -46,10 +48,11 @@ QUIRKS = {
 }
 
 
-def applies(name: str, backend: str = "gpu") -> bool:
-    """Whether quirk `name` holds when compiling for `backend`."""
-    quirk = QUIRKS[name]
-    return quirk.backend in ("any", backend)
+def applies(name: str) -> bool:
+    """Whether the estimate counts quirk `name`: every entry in the table, whatever backend it
+    was seen on (what it adds, it adds to every plan: an estimate that is low is what sends a
+    job out of memory); an entry taken out is not counted."""
+    return QUIRKS[name].backend != "nowhere"
 
 
 def stale(version: str) -> str | None:
