@@ -11,7 +11,7 @@ wires together, one call each, with no command line and no global state but the 
     other = spmd3d.restore(cfg_on_another_mesh, "runs/nb")
 
 Nothing here imports jax at import time: `simulate` must be able to run first. Everything is
-built from `runtime.setup` / `runtime.restore_or_init`, so an experiment is the same
+built from `runtime.setup` / `resume.restore_or_init`, so an experiment is the same
 computation as the command line's run of the same config.
 """
 
@@ -231,7 +231,7 @@ class Experiment:
         import yaml
 
         from .checkpoint import Checkpointer
-        from .runtime import checkpoint_meta
+        from .resume import checkpoint_meta
 
         run_dir = Path(run_dir or self.cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -251,9 +251,9 @@ class Experiment:
 def restore(target: Config | Experiment, run_dir: str | Path) -> Experiment:
     """The newest checkpoint under `run_dir` onto the mesh of `target` (a config, or an
     experiment whose compiled step is reused). Any mesh works: checkpoints hold the canonical
-    layout and `runtime.restore_or_init` restores it straight into the target shardings."""
+    layout and `resume.restore_or_init` restores it straight into the target shardings."""
     from .checkpoint import Checkpointer
-    from .runtime import restore_or_init
+    from .resume import restore_or_init
 
     exp = target if isinstance(target, Experiment) else Experiment(target)
     directory = Path(run_dir) / "checkpoints"

@@ -160,7 +160,8 @@ def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
     import jax
 
     from .checkpoint import Checkpointer, directory_bytes
-    from .runtime import restore_or_init, setup
+    from .resume import restore_or_init
+    from .runtime import setup
 
     job = setup(cfg)
     state = job.init_state()

@@ -134,7 +134,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None
     from .checkpoint import Checkpointer
     from .optim import make_optimizer
     from .plan import Plan
-    from .runtime import checkpoint_meta
+    from .resume import checkpoint_meta
     from .step import TrainState, canonical_state
 
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)

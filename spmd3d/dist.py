@@ -318,3 +318,41 @@ def make_global_batch(batches, step: int, sharding, global_batch: int):
 
     shape = (global_batch, batches.seq_len + 1)
     return jax.make_array_from_callback(shape, sharding, rows)
+
+
+class Preemption:
+    """SIGTERM (what SLURM and Kubernetes send before a kill) asks the loop to stop after the
+    step in flight, save it and exit 0.
+
+    One process: a signal handler sets a flag. Several: jax's preemption service (started by
+    `jax.distributed`) catches the signal on any process and agrees on one step at which all
+    of them stop, so every process saves the same step."""
+
+    def __init__(self):
+        import signal
+
+        import jax
+
+        self.requested = False
+        self._multi = jax.process_count() > 1
+        self._previous = None
+        if not self._multi and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.requested = True
+
+    def stop_at(self, step: int) -> bool:
+        """Whether to stop once `step` is done (call on every process at every step)."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def close(self):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None

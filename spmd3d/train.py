@@ -41,7 +41,8 @@ def train(cfg: Config, explain: bool = False, devices=None) -> list[dict]:
     import yaml
 
     from .checkpoint import Checkpointer
-    from .runtime import Preemption, setup
+    from .dist import Preemption
+    from .runtime import setup
     from .sharding import describe, format_table
 
     job = setup(cfg, devices)
@@ -110,7 +111,8 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     import jax
 
     from . import memory
-    from .runtime import checkpoint_meta, restore_or_init, step_record
+    from .resume import checkpoint_meta, restore_or_init
+    from .runtime import step_record
 
     cfg, t0 = job.cfg, time.perf_counter()
     compiled, compile_s = job.compile()  # refuses a step that cannot fit, before allocating

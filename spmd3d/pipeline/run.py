@@ -283,8 +283,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
             kinds = table.lane_kinds(lane_index)
             x = select(op["x_at"] < 0, feed, _take(state.inbox.x, op["x_at"]))
             ct = _take(state.inbox.ct, op["ct_at"])
-            held = (_take(state.stash.residuals, op["stash"]), _take(state.stash.inputs, op["stash"]),
-                    _take(state.stash.taps, op["stash"]))
+            held = tuple(_take(buffer, op["stash"]) for buffer in state.stash)
             if cut:
                 branch = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in range(5)])
                 fns = {IDLE: op_idle, FORWARD: op_forward, BACKWARD: op_backward,
