@@ -31,6 +31,7 @@ from . import cli
 from . import config as config_lib
 from .config import Config, ConfigError
 from .mesh import simulate_devices
+from .units import gib
 
 COMMAND = cli.Command(
     prog="python -m spmd3d.bench",
@@ -263,10 +264,6 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
     }
 
 
-def _gib(n) -> str:
-    return f"{n / 2**30:.3f} GiB"
-
-
 def format_report(r: dict) -> str:
     """The record as a few human-readable lines."""
     mem = r["memory"]
@@ -282,11 +279,11 @@ def format_report(r: dict) -> str:
         f"mean {r['step_time_mean_s'] * 1e3:.1f} ms over {r['steps']} steps",
         f"  throughput  {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}% of "
         f"{r['peak_tflops']:,.1f} TFLOP/s {r['dtype']} peak (causal attention counted half)",
-        f"  memory/dev  args {_gib(mem['argument_bytes'])}, out {_gib(mem['output_bytes'])}, "
-        f"temp {_gib(mem['temp_bytes'])}, total {_gib(mem['total_bytes'])}",
+        f"  memory/dev  args {gib(mem['argument_bytes'])}, out {gib(mem['output_bytes'])}, "
+        f"temp {gib(mem['temp_bytes'])}, total {gib(mem['total_bytes'])}",
     ]
     if r["peak_bytes"] is not None:
-        lines.append(f"  peak in use {_gib(r['peak_bytes'])} (device 0)")
+        lines.append(f"  peak in use {gib(r['peak_bytes'])} (device 0)")
     lines.append(f"  collectives {colls}")
     if "checkpoint" in r:
         c = r["checkpoint"]

@@ -27,6 +27,7 @@ import math
 from dataclasses import replace
 
 from .config import Config, ConfigError
+from .units import gb
 
 MAX_SIMULATED = 2048
 
@@ -133,10 +134,6 @@ def measure(cfg: Config, topology) -> dict:
     }
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:8.2f}"
-
-
 def format_report(r: dict) -> list[str]:
     """The record as the report's lines."""
     c, k = r["compiled"], r["by_kind"]
@@ -154,17 +151,17 @@ def format_report(r: dict) -> list[str]:
                      "the global batch cut alike; ZeRO-sharded state and gradients scaled back")
     lines += [
         "per device (GB)",
-        f"  arguments   {_gb(c['argument_bytes'])}   parameters {_gb(k['parameters']).strip()},"
-        f" optimizer state {_gb(k['optimizer_state']).strip()}",
-        f"  temporaries {_gb(c['temp_bytes'])}   gradients {_gb(k['gradients']).strip()},"
-        f" saved activations and transients {_gb(k['saved_activations']).strip()},"
-        f" logits/loss {_gb(k['logits_loss']).strip()},"
-        f" pipeline buffers {_gb(k['pipeline_buffers']).strip()}"
-        + (f", layers gathered for the step {_gb(k['gathered_layers']).strip()}"
+        f"  arguments   {gb(c['argument_bytes'], 8)}   parameters {gb(k['parameters'])},"
+        f" optimizer state {gb(k['optimizer_state'])}",
+        f"  temporaries {gb(c['temp_bytes'], 8)}   gradients {gb(k['gradients'])},"
+        f" saved activations and transients {gb(k['saved_activations'])},"
+        f" logits/loss {gb(k['logits_loss'])},"
+        f" pipeline buffers {gb(k['pipeline_buffers'])}"
+        + (f", layers gathered for the step {gb(k['gathered_layers'])}"
            if k.get("gathered_layers") else ""),
-        f"  outputs     {_gb(c['output_bytes'])}   (aliased to the donated state: "
-        f"{_gb(c['alias_bytes']).strip()})",
-        f"  needed      {_gb(r['needed_bytes'])}   arguments + temporaries; a device of "
+        f"  outputs     {gb(c['output_bytes'], 8)}   (aliased to the donated state: "
+        f"{gb(c['alias_bytes'])})",
+        f"  needed      {gb(r['needed_bytes'], 8)}   arguments + temporaries; a device of "
         f"{r['topology']} has {r['device_memory_bytes'] / 1e9:.0f}",
         "collectives per step (per device, loop trips counted)",
     ]

@@ -17,6 +17,7 @@ import re
 
 from .cli import Failure
 from .config import ConfigError
+from .units import human
 
 
 class DoesNotFit(ConfigError):
@@ -28,13 +29,6 @@ class DoesNotFit(ConfigError):
 
 class OutOfMemory(Failure):
     """The device ran out of memory while the step ran (exit status 1, one line)."""
-
-
-def fmt(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def needed_bytes(compiled) -> dict:
@@ -75,7 +69,7 @@ def device_limit(plan) -> tuple[int, str]:
     else:
         available = _host_available()
         if available:
-            return available // len(devices), (f"the host's available {fmt(available)} over "
+            return available // len(devices), (f"the host's available {human(available)} over "
                                                 f"{len(devices)} CPU devices")
     topo = plan.topology
     return int(topo.device_memory_gb * 1e9), f"topology {topo.name}"
@@ -137,9 +131,9 @@ def check(plan, compiled) -> dict:
     what = largest
     if largest == "activations":
         what = f"activations at seq_len {plan.cfg.train.seq_len}"
-    parts = ", ".join(f"{k} {fmt(v)}" for k, v in kinds.items() if v)
-    raise DoesNotFit(f"this layout needs {fmt(need['total'])} per device ({parts}: mostly "
-                     f"{what}); a device has {fmt(limit)} ({source}); try "
+    parts = ", ".join(f"{k} {human(v)}" for k, v in kinds.items() if v)
+    raise DoesNotFit(f"this layout needs {human(need['total'])} per device ({parts}: mostly "
+                     f"{what}); a device has {human(limit)} ({source}); try "
                      f"{_advice(plan, largest)} (python -m spmd3d.plan CONFIG --compile "
                      "shows where it goes; run.memory_check=false skips this check)")
 
@@ -151,9 +145,9 @@ def is_oom(error: BaseException) -> bool:
 def out_of_memory(error: BaseException, step: int, need: dict | None) -> OutOfMemory:
     """The one-line `OutOfMemory` for an allocation that failed at `step`."""
     asked = re.search(r"allocat\w*\s+(\d+)\s*bytes", str(error))
-    what = f"could not allocate {fmt(int(asked.group(1)))}" if asked else "ran out of memory"
-    estimate = (f"; the compiled step needs {fmt(need['total'])} per device of "
-                f"{fmt(need['limit'])}" if need else "")
+    what = f"could not allocate {human(int(asked.group(1)))}" if asked else "ran out of memory"
+    estimate = (f"; the compiled step needs {human(need['total'])} per device of "
+                f"{human(need['limit'])}" if need else "")
     return OutOfMemory(f"out of memory at step {step}: the device {what}{estimate} (the "
                        "allocator's own needs and fragmentation come on top); the last "
                        "checkpoint is untouched")

@@ -10,14 +10,8 @@ from pathlib import Path
 
 from .. import cli
 from ..config import ConfigError
+from ..units import human
 from . import info
-
-
-def _human(n: float) -> str:
-    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-        if n < 1024 or unit == 'TiB':
-            return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-        n /= 1024
 
 
 COMMAND = cli.Command(
@@ -51,7 +45,8 @@ def _info(args: cli.Args) -> int:
         when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['written']))
         zero = f", ZeRO-{r['zero']}" if r['zero'] is not None else ''
         schema = f", schema {r['schema']}" if r['schema'] is not None else ''
-        line = f"{r['step']:>8}  {status:<10}  {_human(r['bytes']):>10}  {when}  {shape}{zero}{schema}"
+        size = human(r['bytes'], binary=True)
+        line = f"{r['step']:>8}  {status:<10}  {size:>10}  {when}  {shape}{zero}{schema}"
         if r.get('problem'):
             line += f"  ({r['problem']})"
         if 'verified' in r:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, tokens_per_pass)
+from ..units import gb
 from . import quirks
 from .quirks import applies
 
@@ -266,10 +267,6 @@ def _versus_compiled(e: dict, compiled: dict, axis: str) -> str:
     return f" [compiled {got / 1e9:.2f} GB, {e['collectives']['result'][axis] / got:.3f}]"
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f}"
-
-
 def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
     """The estimate as the report's lines; given `footprint.measure`'s record, only the lines
     that have compiled figures (memory, collectives), those beside the analytic ones with their
@@ -281,19 +278,19 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         if compiled is None:
             return ""
         got = compiled["compiled"][key]
-        return f"   compiled {_gb(got)} (analytic/compiled {analytic / got:.3f})"
+        return f"   compiled {gb(got)} (analytic/compiled {analytic / got:.3f})"
 
     lines = [
         "analytic, per device (GB)",
-        f"  arguments   {_gb(mem['argument_bytes']):>8}   parameters {_gb(k['parameters'])}, "
-        f"optimizer state {_gb(k['optimizer_state'])}" + versus(mem["argument_bytes"], "argument_bytes"),
-        f"  temporaries {_gb(mem['temp_bytes']):>8}   gradients {_gb(k['gradients'])}, saved "
-        f"activations {_gb(k['saved_activations'])}, one layer's backward "
-        f"{_gb(k['layer_working'])}, logits/loss {_gb(k['logits_loss'])}, pipeline buffers "
-        f"{_gb(k['pipeline_buffers'])}" + versus(mem["temp_bytes"], "temp_bytes"),
-        f"  needed      {_gb(mem['needed_bytes']):>8}   of {topo.device_memory_gb:g} on "
+        f"  arguments   {gb(mem['argument_bytes']):>8}   parameters {gb(k['parameters'])}, "
+        f"optimizer state {gb(k['optimizer_state'])}" + versus(mem["argument_bytes"], "argument_bytes"),
+        f"  temporaries {gb(mem['temp_bytes']):>8}   gradients {gb(k['gradients'])}, saved "
+        f"activations {gb(k['saved_activations'])}, one layer's backward "
+        f"{gb(k['layer_working'])}, logits/loss {gb(k['logits_loss'])}, pipeline buffers "
+        f"{gb(k['pipeline_buffers'])}" + versus(mem["temp_bytes"], "temp_bytes"),
+        f"  needed      {gb(mem['needed_bytes']):>8}   of {topo.device_memory_gb:g} on "
         f"{topo.name}" + ("" if compiled is None else
-                          f"   compiled {_gb(compiled['needed_bytes'])} (analytic/compiled "
+                          f"   compiled {gb(compiled['needed_bytes'])} (analytic/compiled "
                           f"{mem['needed_bytes'] / compiled['needed_bytes']:.3f})"),
         *(["  (layers unrolled: XLA's schedule of unrolled layers keeps more than remat's "
            "arithmetic; LLaMA-3.2-3B, remat full, one H100: 72.2 GB)"]
