@@ -34,8 +34,8 @@ LOG = logging.getLogger("spmd3d")
 TEMPERATURE, TOP_P = 0.7, 0.9  # the command's and the training samples' defaults
 # the run's layout becomes one of plain tensor parallelism: no pipeline, ring or ZeRO
 SERVING = ["mesh.data=1", "mesh.stage=1", "mesh.tensor=1", "mesh.seq=1",
-           "mesh.simulated_devices=-1", "parallel.zero_stage=0", "parallel.pipeline_repeats=1", "train.microbatches=1",
-           "parallel.sequence_parallel=false", "train.global_batch=1"]
+           "mesh.simulated_devices=-1", "parallel.zero_stage=0", "parallel.pipeline_repeats=1",
+           "train.microbatches=1", "parallel.sequence_parallel=false", "train.global_batch=1"]
 
 
 def _next_token(logits_bv, key, temperature: float, top_p: float):
@@ -82,6 +82,7 @@ class Generator:
         from flax import nnx
 
         from .attention import cached_attention
+        from .ops import Ops
         from .sharding import activation_rules, constrain
 
         with activation_rules(self.plan.rules.compute, self.plan.mesh):
@@ -101,7 +102,7 @@ class Generator:
                     written.append((kc, vc))
                     return cached_attention(q, kc, vc, positions_bt)
 
-                y = nnx.merge(block_def, block)(x, *rope, attend)
+                y = nnx.merge(block_def, block)(x, *rope, Ops(attend))
                 return y, written[0]
 
             x, cache = jax.lax.scan(layer, x, (nnx.state(model.blocks), cache))
@@ -197,9 +198,9 @@ class Samples:
 
         cfg, devices = plan.cfg, list(plan.mesh.devices.flat)
         rows = len(devices) // cfg.mesh.tensor
-        serving = config_lib.load(None, [*SERVING, f"mesh.tensor={cfg.mesh.tensor}",
-                                         f"mesh.data={rows}", f"train.global_batch={rows}"],
-                                  base=config_lib.to_dict(cfg))
+        serving = config_lib.override(config_lib.load(None, SERVING, base=config_lib.to_dict(cfg)),
+                                      mesh={"tensor": cfg.mesh.tensor, "data": rows},
+                                      train={"global_batch": rows})
         self.plan = Plan.resolve(serving, devices)
         abstract, shardings = canonical_state(self.plan)
         m, t = cfg.model, cfg.mesh.tensor

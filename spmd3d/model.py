@@ -22,7 +22,7 @@ from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .manual import psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
-from .taps import Taps
+from .ops import Ops
 from .vocab import embed_lookup, head_logits, loss_chunks, token_shards
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        use_param)
@@ -52,11 +52,11 @@ def _use(p: Param, dtype):
     return use_param(p[...], p.get_metadata("axes"), dtype)
 
 
-def _project(module, name: str, x, taps: Taps | None = None):
+def _project(module, name: str, x, ops: Ops | None = None):
     """Projection `name` of `module` (its `PROJECTIONS`: weight and einsum) applied to x."""
     weight, spec = module.PROJECTIONS[name]
     y = jnp.einsum(spec, x, _use(getattr(module, weight), module.dtype))
-    return y if taps is None else taps.project(name, x, y)
+    return y if ops is None else ops.project(name, x, y)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> Param:
@@ -101,8 +101,8 @@ class Attention(nnx.Module):
         self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
                           out_std, cfg.param_dtype)
 
-    def __call__(self, x_btd, cos, sin, attend, taps=None):
-        qkv = _project(self, "qkv", x_btd, taps)
+    def __call__(self, x_btd, cos, sin, ops: Ops):
+        qkv = _project(self, "qkv", x_btd, ops)
         # a split (not three slices): its transpose is one concatenate, not pads and adds
         q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
         q = apply_rope(q, cos, sin)
@@ -113,8 +113,9 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         with jax.named_scope("kernel"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
-            out = constrain(attend(q, k, v), ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
-        return _project(self, "o", out, taps)
+            out = constrain(ops.attend(q, k, v),
+                            ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
+        return _project(self, "o", out, ops)
 
 
 class MLP(nnx.Module):
@@ -130,12 +131,12 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"),
                              cfg.init_std / (2 * cfg.num_layers) ** 0.5, cfg.param_dtype)
 
-    def __call__(self, x_btd, taps=None):
-        h = _project(self, "gate_up", x_btd, taps)
+    def __call__(self, x_btd, ops: Ops | None = None):
+        h = _project(self, "gate_up", x_btd, ops)
         gate, up = jnp.split(h, 2, axis=2)
         a = jax.nn.silu(gate[:, :, 0]) * up[:, :, 0]
         a = constrain(a, ("batch", "length", "mlp"))
-        return _project(self, "down", a, taps)
+        return _project(self, "down", a, ops)
 
 
 class Block(nnx.Module):
@@ -149,7 +150,7 @@ class Block(nnx.Module):
         """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""
         return _project(self.attn if name in Attention.PROJECTIONS else self.mlp, name, x)
 
-    def __call__(self, x_btd, cos, sin, attend, taps=None):
+    def __call__(self, x_btd, cos, sin, ops: Ops):
         # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
         # Under SP the norms run on T_res-split activations; entering attention or the MLP
         # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
@@ -157,10 +158,10 @@ class Block(nnx.Module):
         res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
         with jax.named_scope("attention"):
             h = constrain(constrain(self.attn_norm(x_btd), res), full)
-            x = constrain(x_btd + self.attn(h, cos, sin, attend, taps), res)
+            x = constrain(x_btd + self.attn(h, cos, sin, ops), res)
         with jax.named_scope("mlp"):
             h = constrain(constrain(self.mlp_norm(x), res), full)
-            return constrain(x + self.mlp(h, taps), res)
+            return constrain(x + self.mlp(h, ops), res)
 
 
 class Transformer(nnx.Module):
@@ -206,26 +207,28 @@ class Transformer(nnx.Module):
         positions = positions_t[None] if positions_t.ndim == 1 else positions_t
         return rope_tables(positions, rope_frequencies(self.cfg))
 
-    def layer(self, remat: str = "none", attend=causal_attention):
-        """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer under the remat policy;
-        `on` (bool) false makes it a padding slot that passes x through. Given `zeros` (a
-        `Taps` input per projection, shaped as `taps.split`'s `tap_shapes` says) it returns
-        (x, the projections' inputs) and adds the zeros to the projections' outputs."""
+    def layer(self, remat: str = "none", ops: Ops | None = None):
+        """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer under the remat policy,
+        with `ops` (default: the blocked attention kernel); `on` (bool) false makes it a
+        padding slot that passes x through. Given `zeros` (an input per projection, shaped as
+        `ops.split`'s `tap_shapes` says) the ops are tapped: it returns (x, the projections'
+        inputs) and adds the zeros to the projections' outputs."""
         graphdef = nnx.graphdef(self.blocks)
+        ops = ops or Ops(causal_attention)
 
         def apply(params, x, rope, on=None, zeros=None):
-            taps = None if zeros is None else Taps(zeros)
-            y = nnx.merge(graphdef, params)(x, *rope, attend, taps)
+            used = ops if zeros is None else ops.tap(zeros)
+            y = nnx.merge(graphdef, params)(x, *rope, used)
             y = y if on is None else jnp.where(on, y, x)
-            return y if taps is None else (y, taps.inputs)
+            return y if zeros is None else (y, used.inputs)
 
         return jax.checkpoint(apply, policy=remat_policy(remat), prevent_cse=False)
 
-    def layers(self, remat: str = "none", scan: bool = True, attend=causal_attention):
+    def layers(self, remat: str = "none", scan: bool = True, ops: Ops | None = None):
         """`fn(stacked[c, ...], x, rope, active=None) -> x`: c stacked layers applied in their
         stacked order, each under the remat policy, in a `lax.scan` (unrolled when `scan` is
         false); `active[c]` (bool) marks real layers, a padding slot passes x through."""
-        one = self.layer(remat, attend)
+        one = self.layer(remat, ops)
 
         def run(stacked, x, rope, active=None):
             def layer(x, slot):

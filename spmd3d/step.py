@@ -22,7 +22,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, pipeline, taps
+from . import attention, pipeline
+from . import ops as ops_lib
+from .ops import Ops
 from .pipeline import run as pipelined
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
@@ -157,9 +159,9 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
         res = inner["res_length"]
         res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None
         inner = inner.with_(length=None, res_length=res[0] if res else None)
-    attend = attention.select(plan.attention, seq_axis, plan.mesh, manual=True)
+    ops = Ops(attention.select(plan.attention, seq_axis, plan.mesh, manual=True))
     model = nnx.merge(graphdef, params)
-    stage = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
+    stage = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     axis, (p, m) = rules.compute["layers"], (schedule.stages, schedule.microbatches)
     data = rules.compute["batch"]
     # outside the pipeline, rows of a slot [p * mb] split over stage and data together
@@ -198,12 +200,12 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     # label there
     labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), NamedSharding(
         plan.mesh, P(None, data, rules.compute["length"])))
-    # ZB-H1 splits each layer's backward with the model's projection taps
-    split = taps.split(model, attend)
+    # ZB-H1 splits each layer's backward with the ops tapped
+    split = ops_lib.split(model, ops)
     with activation_rules(inner, None, grads):
         return pipelined.loss_and_grads(
             blocks, model.head_weights(), x, labels_mb, rope, schedule.table(), axis, plan.mesh,
-            layer=model.layer(_layer_remat(par.remat), attend), scan=par.scan_layers,
+            layer=model.layer(_layer_remat(par.remat), ops), scan=par.scan_layers,
             forward=gpipe_loss, split=split, **where,
             loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
 
@@ -219,8 +221,8 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
         return _pipelined_loss(plan, graphdef, params, inputs, labels, positions), labels.size
     # storage order is canonical without a pipeline
     model, par = nnx.merge(graphdef, params), plan.cfg.parallel
-    attend = attention.select(plan.attention, plan.rules.compute["length"], plan.mesh)
-    run = model.layers(_layer_remat(par.remat), par.scan_layers, attend)
+    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh))
+    run = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
                              prevent_cse=False)

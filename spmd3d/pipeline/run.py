@@ -179,7 +179,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     on[, zeros])` one layer under its remat policy; head: the head's weights (`loss(head, y,
     labels)` is a microbatch's summed loss); x_in[p, mb, n, T, D]: the embedded microbatches
     laid out by `Schedule.feed`; labels[m, mb, T] on every stage; consts: [1, T, ...]; `split`
-    the model's taps (`taps.split`), which a switch table's B and W need."""
+    the model's tapped ops (`ops.split`), which a switch table's B and W need."""
     p, v = table.stages, table.repeats
     depth = jax.tree.leaves(blocks)[0].shape[0] // (p * v)  # layers per chunk
     ahead, back = rings(p)

@@ -9,7 +9,7 @@ other way, rebuilds each vjp from the stash and the weights, and adds the layer'
 gradient in place to the stage's fp32 accumulator: no chunk of weights or of gradients is ever
 copied (the vjp of a whole chunk would hand back a fresh fp32 gradient of the chunk per pass).
 
-Split (ZB-H1), the layer runs with zero taps added to its projections' outputs (`taps.Taps`):
+Split (ZB-H1), the layer runs with zero taps added to its projections' outputs (`ops.Ops.tap`):
 B differentiates it with respect to its input and the taps, whose cotangents are the
 projections' output gradients dy, and W is later the vjp of the projections alone at (their
 inputs, dy).

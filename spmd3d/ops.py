@@ -1,9 +1,10 @@
-"""Projection taps: how a zero-bubble schedule splits a layer's backward into B and W.
+"""What a layer takes from whoever runs it (`Ops`), and how a zero-bubble schedule splits a
+layer's backward into B and W with it (`split`).
 
 B is the input's gradient (the stage before waits for it), W the weights' gradient (nobody
-waits for it). `Taps` adds a zero input to each projection's output and records the
+waits for it). Tapped `Ops` add a zero input to each projection's output and record the
 projection's input; differentiating a layer with respect to (x, the zeros) and not the weights
-gives B with the projections' output cotangents, and `split(model, attend)` gives what
+gives B with the projections' output cotangents, and `split(model, ops)` gives what
 `pipeline.worker` needs to take W later from (input, cotangent) pairs.
 """
 
@@ -13,19 +14,25 @@ import jax
 from flax import nnx
 
 
-class Taps:
-    """What a zero-bubble schedule needs to split a layer's backward into the input gradient
-    (B) and the weight gradient (W). Each projection y = x · w adds `zeros[name]` (a zero
-    input of y's shape) to its output and records its input x: differentiating the layer with
-    respect to (x, zeros) but not w gives B, the projections' output cotangents dy among its
-    results, and XLA drops the x^T dy products nobody reads; W is later the vjp of the
-    projections alone at (x, dy) (`split`). With `zeros=None` the
-    outputs themselves are recorded instead (to learn their shapes)."""
+class Ops:
+    """The one thing a layer receives from the code that runs it: `attend(q, k, v)`, the
+    attention kernel (blocked, the ring, a gather of K and V, a KV cache), and `project(name,
+    x, y)`, what becomes of each projection's output y = x . w. Plain, y itself. Tapped (`tap`)
+    for a zero-bubble schedule: y plus `zeros[name]`, a zero input of y's shape, with x
+    recorded in `inputs`; with `zeros=None`, the outputs are recorded instead (to learn their
+    shapes)."""
 
-    def __init__(self, zeros: dict | None = None):
-        self.zeros, self.inputs, self.outputs = zeros, {}, {}
+    def __init__(self, attend, zeros: dict | None = None, tapped: bool = False):
+        self.attend, self.zeros, self.tapped = attend, zeros, tapped
+        self.inputs, self.outputs = {}, {}
+
+    def tap(self, zeros: dict | None = None) -> "Ops":
+        """Fresh tapped ops with the same kernel (one per traced layer call)."""
+        return Ops(self.attend, zeros, tapped=True)
 
     def project(self, name: str, x, y):
+        if not self.tapped:
+            return y
         self.inputs[name] = x
         if self.zeros is None:
             self.outputs[name] = y
@@ -33,7 +40,7 @@ class Taps:
         return y + self.zeros[name]
 
 
-def split(model, attend):
+def split(model, ops: Ops):
     """(tap_shapes, projection_grads, projection weight names) of `model`'s layers:
     `tap_shapes(params, x, rope) -> {projection: ShapeDtypeStruct of its output}` for one
     layer's params; `projection_grads(params, inputs, d_outputs) -> grads`, W: the gradient of
@@ -43,9 +50,9 @@ def split(model, attend):
 
     def tap_shapes(params, x, rope):
         def outputs(params, x):
-            taps = Taps()
-            nnx.merge(graphdef, params)(x, *rope, attend, taps)
-            return taps.outputs
+            tapped = ops.tap()
+            nnx.merge(graphdef, params)(x, *rope, tapped)
+            return tapped.outputs
 
         return jax.eval_shape(outputs, params, x)
 
