@@ -23,6 +23,7 @@ from pathlib import Path
 from . import config as config_lib
 from .config import Config
 from .mesh import AXES, simulate  # noqa: F401 (spmd3d.simulate)
+from .units import columns
 
 _KIND_ABBREV = {"all-reduce": "ar", "all-gather": "ag", "reduce-scatter": "rs",
                 "all-to-all": "a2a", "collective-permute": "cp"}
@@ -49,31 +50,21 @@ def configure(preset: str | None = None, overrides: list[str] | tuple = (), **kw
 
 
 class Table(list):
-    """Rows (dicts) that print as an aligned text table, in a terminal and in a notebook;
-    `fmt(rows) -> str` replaces the generic layout (the parameter table uses `--explain`'s)."""
+    """Rows (dicts) that print as an aligned text table (`units.columns`), in a terminal and
+    in a notebook."""
 
-    def __init__(self, rows, columns=None, fmt=None):
+    def __init__(self, rows, columns=None):
         super().__init__(rows)
         self.columns = list(columns or (rows[0].keys() if rows else []))
-        self.fmt = fmt
 
     def __repr__(self) -> str:
-        if self.fmt is not None:
-            return self.fmt(list(self))
-        cells = [[_cell(r.get(c, "")) for c in self.columns] for r in self]
-        widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(self.columns)]
-        line = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths)).rstrip()  # noqa: E731
-        return "\n".join([line(self.columns), line(["-" * w for w in widths])]
-                         + [line(x) for x in cells])
+        return "\n".join(columns([[r.get(c, "") for c in self.columns] for r in self],
+                                 self.columns))
 
     __str__ = __repr__
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython's display hook
         p.text(repr(self))
-
-
-def _cell(x) -> str:
-    return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
 class Experiment:
@@ -176,11 +167,10 @@ class Experiment:
     def params_table(self) -> Table:
         """Every parameter: global shape, logical names, mesh axes it is stored on (and its
         optimizer state), per-device shape (`sharding.describe`, as `--explain` prints)."""
-        from .sharding import describe, format_table
+        from .sharding import PARAM_COLUMNS, describe
 
         rows = describe(self.job.abstract.params, self.rules, self.mesh)
-        return Table(rows, ["param", "shape", "logical", "stored", "opt_state", "local_shape"],
-                     fmt=format_table)
+        return Table(rows, PARAM_COLUMNS)
 
     def param(self, path: str):
         """The live (sharded) array of one parameter by its `params_table` name, e.g.

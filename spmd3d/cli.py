@@ -21,6 +21,7 @@ from typing import Callable
 from . import config as config_lib
 from .config import ConfigError
 from .schema import DataError
+from .units import columns
 
 KINDS = ("switch", "int", "str")
 
@@ -160,22 +161,17 @@ def _show(value) -> str:
     return str(value)
 
 
-def _columns(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
-
-
 def help_text(command: Command) -> str:
     """Usage, description, flags and (for config commands) every config field with its default."""
     lines = [f"usage: {command.prog} {command.usage}", "",
              textwrap.fill(command.description, 100), "", "flags:"]
-    lines += _columns([(f.spelling, f.help) for f in _flags(command)]
-                      + [("-h, --help", "print this help and exit")])
+    lines += columns([(f.spelling, f.help) for f in _flags(command)]
+                     + [("-h, --help", "print this help and exit")], indent="  ")
     if command.takes_config:
         lines += ["", "config fields (CONFIG.yaml sets them; key=value overrides any of them, "
                       "e.g. train.steps=20):"]
-        lines += _columns([(name, typ, _show(default), meaning)
-                           for name, typ, default, meaning in config_lib.field_docs()])
+        lines += columns([(name, typ, _show(default), meaning)
+                          for name, typ, default, meaning in config_lib.field_docs()], indent="  ")
     return "\n".join(lines)
 
 

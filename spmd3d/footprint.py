@@ -7,8 +7,7 @@ Three departures from the real run, each stated in the report:
 * bf16 compute is compiled as fp16, a 2-byte stand-in: XLA:CPU computes bf16 in fp32 and hoists
   the conversions, which would inflate the temporaries of a bf16 step;
 * layers are compiled scanned (`parallel.scan_layers`): XLA:CPU schedules unrolled layers with
-  no regard to memory (LLaMA-3.2-1B shape, one device: 198.7 GB unrolled, 46.7 GB scanned,
-  against 41.8 GB that XLA:GPU compiled unrolled on an H100);
+  no regard to memory (four times a GPU's figure: docs/choices.md);
 * above `MAX_SIMULATED` devices (what XLA:CPU can simulate), the `data` axis is cut (with the
   global batch, so a data shard keeps its rows), and the terms that shard over `data` (the
   ZeRO-sharded state, and gradients under ZeRO-2/3) are scaled back to the real axis.

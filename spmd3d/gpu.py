@@ -7,7 +7,7 @@ curated for jax/jaxlib 0.10 from NVIDIA JAX-Toolbox's GPU performance guide
 (`docs/GPU_performance.md`), with the defaults read from jaxlib 0.10.2's compile options:
 
 * always `XLA_PYTHON_CLIENT_MEM_FRACTION=0.90`: jax's allocator takes 75 % of the GPU by
-  default, 60 of an H100's 80 GB (seen refusing a 68.5 GB layout on one).
+  default, which refuses layouts that fit (docs/choices.md).
 * always `JAX_OPTIMIZATION_LEVEL=O1`: one knob for the latency-hiding scheduler (collectives
   overlap compute), pipelined all-gather / reduce-scatter / all-reduce across loop iterations
   and while-loop double buffering -- what five XLA flags used to turn on.
@@ -183,8 +183,8 @@ def _set_optimization_level(environ: MutableMapping[str, str]) -> str:
 
 
 def _set_memory_fraction(environ: MutableMapping[str, str]) -> str:
-    """jax's allocator takes MEM_FRACTION of the GPU at start (0.75 by default: 60 of an H100's
-    80 GB, so a layout of 68 GB is refused); the preset takes 0.9, leaving the rest to cuDNN's,
+    """jax's allocator takes MEM_FRACTION of the GPU at start (0.75 by default, 60 of an H100's
+    80 GB); the preset takes 0.9, leaving the rest to cuDNN's,
     cuBLAS's and NCCL's own buffers. Left alone when the user chose the fraction or the
     allocator."""
     name = "XLA_PYTHON_CLIENT_MEM_FRACTION"

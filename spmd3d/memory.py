@@ -76,15 +76,13 @@ def device_limit(plan) -> tuple[int, str]:
 
 
 def _kinds(plan, need: dict) -> dict:
-    """The need by kind: the step's arguments (and unaliased outputs), and its temporaries
-    split as `footprint.by_kind` does."""
-    from .footprint import by_kind
+    """The compiled need by kind: the step's arguments (and unaliased outputs), its fp32
+    gradients (exact, from their shardings) and the rest of its temporaries."""
+    from .footprint import state_terms
 
-    k = by_kind(plan, need["temporaries"])
+    grads = min(state_terms(plan)["gradients"], need["temporaries"])
     return {"parameters and optimizer state": need["arguments"] + need["outputs"],
-            "gradients": k["gradients"], "logits": k["logits_loss"],
-            "pipeline buffers": k["pipeline_buffers"], "gathered layers": k["gathered_layers"],
-            "activations": k["saved_activations"]}
+            "gradients": grads, "activations": need["temporaries"] - grads}
 
 
 def _advice(plan, largest: str) -> str:
@@ -99,13 +97,6 @@ def _advice(plan, largest: str) -> str:
         if par.zero_stage < 2:
             tips.append("parallel.zero_stage=2")
         tips.append("more mesh.tensor or mesh.stage")
-    elif largest == "logits":
-        tips.append(f"a smaller parallel.loss_chunk (now {par.loss_chunk})")
-        tips.append("more mesh.tensor")
-    elif largest == "pipeline buffers":
-        tips.append("fewer, larger train.microbatches or more mesh.stage")
-    elif largest == "gathered layers":
-        tips.append("parallel.zero3_gather=tick or more mesh.stage")
     else:
         if par.remat in ("none", "save_dots"):
             tips.append("parallel.remat=full" + (" or stage" if plan.schedule else ""))
@@ -114,6 +105,11 @@ def _advice(plan, largest: str) -> str:
             tips.append("more train.microbatches (fewer rows at a time)")
         if mesh.seq == 1:
             tips.append("mesh.seq (ring attention)")
+        if plan.schedule and plan.rules.params_over_batch and par.zero3_gather == "step":
+            tips.append("parallel.zero3_gather=tick")
+        if plan.schedule:
+            tips.append("more mesh.stage")
+        tips.append(f"a smaller parallel.loss_chunk (now {par.loss_chunk})")
         tips.append(f"a smaller train.seq_len (now {t.seq_len})")
     return ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1]
 

@@ -11,8 +11,7 @@ besides the stacked `layers` dim, so norm scales (stacked or not) are never deca
 Clipping and Adam are one transform (`scale_by_clipped_adam`): the clip factor is a scalar
 that each moment update multiplies in, so no clipped copy of the gradients ever exists. With
 optax's `clip_by_global_norm` before `scale_by_adam`, XLA kept that copy (both moments read it):
-one more fp32 gradient-sized buffer per device, 63 MB a layer at d_model 1024, 14 GB for a 3.6B
-model on one GPU (`tests/test_memory.py`).
+one more fp32 gradient-sized buffer per device (`tests/test_memory.py`; docs/choices.md).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .mesh import DATA, SEQ, STAGE, TENSOR
 from .store import flat
+from .units import columns
 
 ACTIVATION_NAMES = ("batch", "length", "res_length")  # never on a parameter
 LOGICAL_NAMES = (
@@ -286,9 +287,9 @@ def describe(params, rules: "ZeroRules", mesh) -> list[dict]:
     return rows
 
 
+PARAM_COLUMNS = ("param", "shape", "logical", "stored", "opt_state", "local_shape")
+
+
 def format_table(rows: list[dict]) -> str:
-    cols = ["param", "shape", "logical", "stored", "opt_state", "local_shape"]
-    cells = [[str(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    line = lambda xs: "  ".join(x.ljust(w) for x, w in zip(xs, widths))  # noqa: E731
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(x) for x in cells])
+    """`describe`'s rows as the aligned table `--explain` and `Experiment.params_table` print."""
+    return "\n".join(columns([[r[c] for c in PARAM_COLUMNS] for r in rows], PARAM_COLUMNS))

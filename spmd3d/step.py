@@ -99,8 +99,7 @@ def _layer_remat(policy: str) -> str:
     recomputes one, keeps each layer's input alone (each layer is then recomputed again for
     its own backward): the least memory -- one stage input per tick, one layer's working set --
     for two extra forward passes. Inside the recompute, keeping every layer's residuals instead
-    would hold a whole stage's attention scores at once (LLaMA-3 405B at seq 8192, TP8 PP16:
-    59 GB of temporaries per device against 19 GB this way)."""
+    would hold a whole stage's attention scores at once (docs/choices.md has the figures)."""
     return "full" if policy == "stage" else policy
 
 
@@ -125,9 +124,9 @@ def _gather_blocks(blocks):
     """ZeRO-3 under a pipeline: each stage's layers gathered over data once per step, before
     the schedule, and their gradients reduce-scattered back once, after it. Gathered per layer
     inside the tick loop instead, a stage's weights would cross the data axis three times per
-    tick (forward, recompute, backward): LLaMA-3 405B at its preset, 1.5 TB per device per step
-    against 15 GB. The price: the stage's weights and their gradient accumulator, unsharded
-    over data, for the step (405B: 30 GB more per device). Both stay in the parameter dtype:
+    tick (forward, recompute, backward), a hundred times the bytes at LLaMA-3 405B's preset
+    (docs/choices.md). The price: the stage's weights and their gradient accumulator, unsharded
+    over data, for the step. Both stay in the parameter dtype:
     the layers cast per tick, so gradients accumulate over the microbatches in fp32, as with
     ZeRO-0 to 2. `parallel.zero3_gather=tick` keeps the per-layer gathers instead."""
     def gather(v):

@@ -45,7 +45,9 @@ DEADLINE_S = 240
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each sets its own devices
+    env = dict(os.environ)  # each process sets its own device count, keeps conftest's other flags
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     env.update(PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     return env
 

@@ -63,7 +63,8 @@ def test_graph_is_read():
 
 # the bottom: the config and its schema, the mesh, storage keys, the command line's parser,
 # the per-device helpers inside shard_map, readers of compiled programs, plain-numpy tables
-BOTTOM = {"schema", "config", "mesh", "store", "cli", "manual", "hlo", "ops", "pipeline.table"}
+BOTTOM = {"schema", "config", "mesh", "store", "cli", "manual", "hlo", "ops", "pipeline.table",
+          "units"}
 # the top: what `python -m` runs and nothing imports (convert, generate and plot still hold a
 # command beside their library code)
 COMMANDS = {"__main__", "train", "bench", "plan.__main__", "data.__main__", "checkpoint.__main__"}

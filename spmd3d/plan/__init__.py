@@ -105,8 +105,8 @@ class Plan:
         # ZeRO-1 accumulating microbatches keeps its accumulator sharded over data, as ZeRO-2:
         # with a replicated accumulator XLA all-reduced each microbatch's gradients and then
         # gathered the whole fp32 accumulator back (it had sharded the loop's carry for the
-        # update): 3.36 GB over data a step against 1.08 GB sharded, where each microbatch's
-        # gradients are reduce-scattered once (d_model 1024, data 8, 4 microbatches)
+        # update), three times the bytes of reduce-scattering each microbatch's gradients once
+        # (docs/choices.md)
         zero = 2 if par.zero_stage == 1 and accum > 1 else par.zero_stage
         return cls(
             cfg=cfg, mesh=mesh, topology=topology,

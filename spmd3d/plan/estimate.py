@@ -293,7 +293,7 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
                           f"   compiled {gb(compiled['needed_bytes'])} (analytic/compiled "
                           f"{mem['needed_bytes'] / compiled['needed_bytes']:.3f})"),
         *(["  (layers unrolled: XLA's schedule of unrolled layers keeps more than remat's "
-           "arithmetic; LLaMA-3.2-3B, remat full, one H100: 72.2 GB)"]
+           "arithmetic: docs/choices.md)"]
           if not plan.cfg.parallel.scan_layers and plan.cfg.parallel.remat != "none" else []),
         "analytic, per step per device",
         f"  FLOPs       {e['flops']['model'] / 1e12:,.1f} T model, "
