@@ -55,7 +55,8 @@ def _use(p: Param, dtype):
 def _project(module, name: str, x, ops: Ops | None = None):
     """Projection `name` of `module` (its `PROJECTIONS`: weight and einsum) applied to x."""
     weight, spec = module.PROJECTIONS[name]
-    y = jnp.einsum(spec, x, _use(getattr(module, weight), module.dtype))
+    with jax.named_scope(name):  # the planner finds a projection's output by this name
+        y = jnp.einsum(spec, x, _use(getattr(module, weight), module.dtype))
     return y if ops is None else ops.project(name, x, y)
 
 
@@ -72,7 +73,8 @@ class RMSNorm(nnx.Module):
         self.scale = Param(jnp.ones((cfg.d_model,), cfg.param_dtype), axes=("norm",))
 
     def __call__(self, x_btd):
-        return rms_norm(x_btd, _use(self.scale, jnp.float32), self.eps)
+        with jax.named_scope("norm"):  # the planner finds what a norm keeps by this name
+            return rms_norm(x_btd, _use(self.scale, jnp.float32), self.eps)
 
 
 def rms_norm(x, scale_d, eps: float):

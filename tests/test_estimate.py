@@ -154,8 +154,7 @@ QUIRK_LAYOUTS = {
     "one_trip_loops_inlined": dict(seq=2, data=2, tensor=2),
     "reduce_inside_accumulation": dict(data=8, micro=2),
     "lookup_moves_cotangents": dict(data=8, zero=2),
-    "vjp_hands_over_more": dict(data=2, stage=2, tensor=2, micro=2,
-                                extra=["parallel.pipeline_schedule=1f1b"]),
+    "vjp_hands_over_more": dict(data=8),
     "fresh_stage_gradient": dict(data=2, stage=2, tensor=2, micro=2),
     "branch_buffers": dict(data=2, stage=2, tensor=2, micro=2,
                            extra=["parallel.pipeline_schedule=zb_h1"]),
@@ -179,3 +178,34 @@ def test_each_compiler_quirk_moves_the_estimate(name, monkeypatch):
         after["memory"]["needed_bytes"], after["collectives"]["result"])
     assert quirks.stale(quirks.MEASURED_ON + ".7") is None
     assert "jax 9.1.0" in quirks.stale("9.1.0")
+
+
+@pytest.mark.parametrize("layout", [dict(data=8), dict(data=2, tensor=4, sp=True),
+                                    dict(data=4, stage=2, micro=4,
+                                         extra=["parallel.pipeline_schedule=1f1b"])])
+def test_the_estimate_asks_the_layer_what_it_keeps(layout, monkeypatch):
+    """The planner has no inventory of a layer's residuals: it traces the layer
+    (`plan/residuals.py`). Make `save_dots` keep everything, as `none` does, and the
+    estimate's saved activations follow -- without a pipeline, under SP, and in a 1F1B stash
+    -- with nothing in the planner edited."""
+    import jax
+
+    from spmd3d import model
+    from spmd3d.plan import residuals
+
+    def saved(remat):
+        residuals._trace.cache_clear()
+        plan = Plan.resolve(small_config(remat=remat, **layout), topology=load_topology("cpu"))
+        return plan_memory.memory(plan)["by_kind"]["saved_activations"]
+
+    try:
+        none, dots, full = saved("none"), saved("save_dots"), saved("full")
+        assert full < dots < none
+        monkeypatch.setitem(model._POLICIES, "save_dots",
+                            jax.checkpoint_policies.everything_saveable)
+        assert saved("save_dots") == none
+        monkeypatch.setitem(model._POLICIES, "save_dots", jax.checkpoint_policies.nothing_saveable)
+        assert saved("save_dots") == full
+    finally:
+        monkeypatch.undo()
+        residuals._trace.cache_clear()

@@ -24,7 +24,7 @@ A table runs in one of three ways (`Table.mode`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 import numpy as np
 
@@ -39,6 +39,21 @@ OP = ("kind", "mb", "chunk", "stash", "x_at", "ct_at", "dy_to")
 END = ("x_to", "ct_to", "put", "keep")
 KINDS = ("gpipe", "1f1b", "zb_h1")
 COST = {IDLE: 0, FORWARD: 1, BACKWARD: 1, WEIGHT: 1, FULL: 2}  # units of one chunk's forward
+
+
+def _once(method):
+    """A figure replayed from the table, computed once per table: tables never change and
+    `build` caches them, so a search of thousands of layouts replays each once."""
+
+    @wraps(method)
+    def memo(self, *args):
+        cache = self.__dict__.setdefault("_figures", {})
+        key = (method.__name__, args)
+        if key not in cache:
+            cache[key] = method(self, *args)
+        return cache[key]
+
+    return memo
 
 
 @dataclass(frozen=True)
@@ -65,10 +80,12 @@ class Table:
     def lanes(self) -> int:
         return self.ops.shape[2]
 
+    @_once
     def lane_kinds(self, lane: int) -> tuple:
         """The operations lane `lane` runs somewhere, IDLE first."""
         return tuple(sorted({IDLE} | set(np.unique(self.op("kind")[:, :, lane]).tolist())))
 
+    @_once
     def phases(self) -> list[tuple[int, int, tuple[bool, ...], bool]]:
         """(begin, end, lanes that compute, whether the head may run): maximal runs of slots
         whose lanes compute alike. A lockstep lane computes on every stage in its phases; the
@@ -93,6 +110,7 @@ class Table:
         """Slots that compute (the drain's only move input gradients)."""
         return len(self.ops) - self.drain
 
+    @_once
     def forwards(self) -> int:
         """Chunk forwards each stage computes: lockstep, at every slot of its forward lane's
         phases (bubbles included); under a switch, its own."""
@@ -106,6 +124,7 @@ class Table:
         return self.forwards() / (self.repeats * self.microbatches)
 
     @property
+    @_once
     def bubble(self) -> float:
         """The idle fraction of each stage's time, an F, B or W costing one unit and a whole
         backward two; a slot lasts as long as its costliest stage (autodiff: the backward
@@ -129,6 +148,7 @@ class Table:
         forward's, until the backward starts)."""
         return self.stash_slots
 
+    @_once
     def shifts(self) -> dict:
         """{name: values moved between neighbouring stages per step}: `ahead` (activations,
         and input gradients on their belt), `back` (cotangents, and the input belt and the

@@ -17,6 +17,7 @@ simulated CPU devices and reports the memory per device and the collectives (`fo
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -53,6 +54,13 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str]:
                                                par.pipeline_schedule).mode == "switch"
     return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
                        seq=cfg.mesh.seq, hopper=hopper, branched=branched)
+
+
+@lru_cache(maxsize=1024)
+def _order(fn, *args) -> tuple:
+    """fn(*args) as a tuple of ints, once per arguments: a search resolves thousands of plans
+    with the same few orders (a sequence's zig-zag order is seq_len long)."""
+    return tuple(int(i) for i in fn(*args))
 
 
 @dataclass(frozen=True)
@@ -113,9 +121,8 @@ class Plan:
             rules=zero_rules(zero, par.sequence_parallel),
             schedule=schedule,
             accum_steps=accum,
-            layer_order=tuple(int(i) for i in layer_order(cfg.model.num_layers, m.stage,
-                                                          par.pipeline_repeats)),
-            seq_order=tuple(int(i) for i in zigzag_order(tr.seq_len, m.seq)) if m.seq > 1 else None,
+            layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
+            seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
             attention=attention,
         )
 

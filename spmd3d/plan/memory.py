@@ -1,30 +1,21 @@
 """What a plan's step needs in memory per device, by arithmetic alone (`estimate.py` adds
 FLOPs, communication and time).
 
-Shapes come from the config, shardings from the plan's rules tables: no tracing, no devices.
+Shapes come from the config, shardings from the plan's rules tables, a layer's residuals from
+tracing it on abstract shapes: no devices, nothing compiled.
 
 Memory per device, by kind:
 * parameters, optimizer state (Adam's two moments), gradients (fp32): each parameter's shard
   under its ZeRO table (`param_shapes` mirrors `model.Transformer`; a test holds them equal);
-* saved activations: what the backward keeps per layer under the remat policy (`layer_saved`,
-  itemised below) times the layer passes alive at the peak (`activation_bytes`: one
-  microbatch without a pipeline, the schedule's ticks or stash with one), plus the working set of the
-  one layer whose backward runs (`layer_working`);
+* saved activations: what the backward keeps of a layer, asked of the layer itself
+  (`residuals.py`: its vjp traced at one device's share, per remat policy and kernel) times
+  the layer passes alive at the peak (`activation_bytes`: one microbatch without a pipeline,
+  the schedule's slots or stash with one), plus the working set of the one layer whose backward
+  runs: what it recomputes, its projections' output cotangents, the scores a kernel that keeps
+  none computes again, and under ZeRO-2/3 the layer's weights and their gradient whole over
+  data (`layer_weights`);
 * pipeline buffers, logits/loss and the layers ZeRO-3 gathers for a pipelined step
   (`working_terms`, which the compiled report's breakdown uses too).
-
-Per-layer residuals per token (c: the compute dtype's bytes; D the width, Q = heads x head
-dim and Kv = kv heads x head dim the query and key widths, F the MLP width; under tensor
-parallelism Q, Kv and F are split over `tensor`, and under sequence parallelism so are the
-residual stream's D-sized values):
-* full remat: the layer's input, c D;
-* save_dots: the input, the fused QKV and output projections' results and the fused gate/up
-  result: c (2 D + Q + 2 Kv + 2 F);
-* none: everything its backward reads: two D-sized residual values, the two norms' outputs
-  and their fp32 normalised copies, QKV, the rotated queries and keys, the fp32 copies of keys
-  and values the blocked kernel slices, the attention output, the projection's result, six
-  F-sized MLP values, and per attention score kept by the blocked kernel 6 bytes (its fp32
-  exponentials and their compute-dtype probabilities), none under cuDNN's flash attention.
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from . import residuals
 from .quirks import applies
 
 F32 = 4
@@ -107,6 +99,19 @@ def stage_layers(plan) -> int:
                for k, (s, names) in shapes.items() if k.startswith("blocks/"))
 
 
+def layer_weights(plan) -> int:
+    """Per-device bytes of one layer's weights while its backward runs, when ZeRO splits them
+    over data and no pipeline gathers its stage for the step: under ZeRO-3 the layer gathered
+    in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
+    compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
+    rules = plan.rules
+    if plan.schedule is not None or plan.mesh.shape["data"] == 1 or not rules.grads_over_batch:
+        return 0
+    c = itemsize(plan.cfg.model.dtype)
+    layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
+    return layer * ((c if rules.params_over_batch else 0) + c + F32)
+
+
 def working_terms(plan) -> dict:
     """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
     collects, its belts and its inboxes) and of one
@@ -132,23 +137,17 @@ def working_terms(plan) -> dict:
 
 @dataclass(frozen=True)
 class Widths:
-    """One device's share of a layer's widths, in elements per token."""
+    """One device's share of the attention's widths, in elements per token: what the
+    collectives of the ring move and what a kernel that keeps no scores computes again."""
 
-    d: float  # the model width, as the residual stream holds it (split over tensor under SP)
-    d_full: int  # the model width where T is whole on the tensor group (the norms' outputs)
-    q: float  # query heads x head dim
     kv: float  # kv heads x head dim
-    f: float  # MLP width
-    scores: float  # attention scores a query computes, over its heads
+    scores: float  # attention scores a query computes at a time, over its heads
 
     @classmethod
     def of(cls, plan) -> "Widths":
-        m, mesh = plan.cfg.model, plan.mesh.shape
-        t, sp = mesh["tensor"], plan.cfg.parallel.sequence_parallel
-        heads = m.num_heads / t
-        return cls(d=m.d_model / (t if sp else 1), d_full=m.d_model,
-                   q=heads * m.dim_per_head, kv=m.num_kv_heads / t * m.dim_per_head,
-                   f=m.d_ff / t, scores=heads * _keys_per_query(plan))
+        m, t = plan.cfg.model, plan.mesh.shape["tensor"]
+        return cls(kv=m.num_kv_heads / t * m.dim_per_head,
+                   scores=m.num_heads / t * _keys_per_query(plan))
 
 
 def _keys_per_query(plan) -> float:
@@ -164,31 +163,6 @@ def _keys_per_query(plan) -> float:
     return t * computed_fraction(t)
 
 
-def layer_saved(w: Widths, policy: str, c: int) -> float:
-    """Bytes per token one layer keeps for its backward under remat `policy` (see above)."""
-    if policy in ("full", "stage"):
-        return c * w.d
-    if policy == "save_dots":
-        return c * (2 * w.d + w.q + 2 * w.kv + 2 * w.f)
-    return (c * (2 * w.d + 2 * w.d_full + w.q + 2 * w.kv + w.q + w.kv + w.q + w.d + 6 * w.f)
-            + 2 * F32 * w.d_full + 2 * F32 * w.kv + 6 * w.scores)
-
-
-def layer_stashed(w: Widths, policy: str, c: int) -> float:
-    """Bytes per token of a layer's residuals as autodiff hands them over (`jax.vjp`), which
-    1F1B and ZB-H1 stash by hand (quirk `vjp_hands_over_more`)."""
-    more = policy == "none" and applies("vjp_hands_over_more")
-    extra = 5 * w.scores + 2 * F32 * w.d_full if more else 0
-    return layer_saved(w, policy, c) + extra
-
-
-def layer_working(w: Widths, policy: str, c: int) -> float:
-    """Bytes per token alive while one layer's backward runs, beyond what it keeps: what it
-    recomputes (all of `none`'s residuals, less what the policy kept) and its cotangents."""
-    recomputed = layer_saved(w, "none", c) - layer_saved(w, policy, c)
-    return recomputed + c * (2 * w.d_full + w.q + 2 * w.kv + 2 * w.f)
-
-
 def tokens_per_pass(plan) -> int:
     """Tokens of one microbatch on one device."""
     cfg, mesh = plan.cfg, plan.mesh.shape
@@ -197,31 +171,54 @@ def tokens_per_pass(plan) -> int:
 
 
 def activation_bytes(plan) -> dict:
-    """{saved_activations, layer_working}: per-device bytes the backward keeps at its peak and
-    those one layer's backward needs on top (see the module's docstring)."""
-    cfg, s = plan.cfg, plan.schedule
-    c, policy = itemsize(cfg.model.dtype), cfg.parallel.remat
-    w, n = Widths.of(plan), tokens_per_pass(plan)
+    """{saved_activations, layer_working, w_stash_per_pass}: per-device bytes the backward
+    keeps at its peak, those one layer's backward needs on top, and what ZB-H1's W waits for
+    per pass. Per-layer bytes are the layer's own (`residuals.of`)."""
+    cfg, s, mesh = plan.cfg, plan.schedule, plan.mesh.shape
+    policy = cfg.parallel.remat
+    n = tokens_per_pass(plan)
+    layer = residuals.of(plan)
+    split = mesh["tensor"] if cfg.parallel.sequence_parallel else 1  # the stream under SP
+    drops = applies("vjp_hands_over_more")
+
+    def kept(p):  # what autodiff keeps of a layer under policy p
+        return layer.kept(p, split, xla_drops=drops)
+
     layers = len(plan.layer_order) // (s.stages if s else 1)  # stored on this device
     chunk = layers // (s.repeats if s else 1)  # one pass: a chunk (a stage's layers if v = 1)
     # a pass that keeps its input alone: stage remat, and circular GPipe's recomputed stages
     whole = policy == "stage" or (s is not None and s.recomputes_stage)
+    inner = "full" if policy == "stage" else policy  # the policy inside a stage checkpoint
     if s is None:  # gradient accumulation: one microbatch's layers at a time
-        passes, per_pass = 1, c * w.d if whole else layers * layer_saved(w, policy, c)
+        passes, per_pass = 1, kept("full") if whole else layers * kept(policy)
     else:  # autodiff keeps every slot's pass (bubbles included), the others their stash
         passes = s.saved_passes
-        kept = layer_saved if s.mode == "autodiff" else layer_stashed
-        per_pass = c * w.d if whole else chunk * kept(w, policy, c)
-    inner = "full" if policy == "stage" else policy  # the policy inside a stage checkpoint
-    working = layer_working(w, inner, c)
+        stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)
+        per_pass = kept("full") if whole else chunk * stash(inner)
+    # one layer's backward: what it recomputes (all it would keep under `none`, less what the
+    # policy kept), the scores a kernel that keeps none computes again, and the projections'
+    # output cotangents
+    working = kept("none") - kept(inner) + layer.projection_outputs + _kernel_working(plan)
     if whole:  # the pass being recomputed keeps what its layers' policy saves
-        working += (layers if s is None else chunk) * layer_saved(w, inner, c)
-    if plan.attention == "gather":  # the sequence's K/V gathered, their fp32 gradients
-        working += 2 * plan.mesh.shape["seq"] * w.kv * (c + F32)
+        working += (layers if s is None else chunk) * kept(inner)
     # ZB-H1's W waits for its projections' inputs and output gradients
-    w_stash = chunk * c * (4 * w.d_full + 2 * w.q + 2 * w.kv + 3 * w.f) * n
+    w_stash = chunk * (layer.projection_inputs + layer.projection_outputs) * n
     return {"saved_activations": int(passes * per_pass * n), "layer_working": int(working * n),
             "w_stash_per_pass": int(w_stash)}
+
+
+def _kernel_working(plan) -> float:
+    """Bytes per token a kernel that keeps no scores (`ring.py`'s custom vjps) holds while its
+    backward runs: one step's fp32 scores and their compute-dtype probabilities (the queries
+    against one device's keys), and under the gather the sequence's K/V with their fp32
+    gradients."""
+    if plan.attention not in ("ring", "gather"):
+        return 0.0
+    w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.mesh.shape["seq"]
+    scores = w.scores * (F32 + c)
+    if plan.attention == "gather":
+        scores += 2 * seq * w.kv * (c + F32)
+    return scores
 
 
 def memory(plan) -> dict:
@@ -239,7 +236,8 @@ def memory(plan) -> dict:
     sharded = plan.rules.grads_over_batch and mesh["data"] > 1
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0)
-    loss, layer = kinds["logits_loss"], kinds["layer_working"]
+    kinds["layer_weights"] = layer_weights(plan)
+    loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
     if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and mesh["data"] > 1
             and c < F32 and applies("head_gradient_fp32_copy")):

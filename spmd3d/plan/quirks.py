@@ -31,9 +31,9 @@ QUIRKS = {
         "any", "a lookup in an embedding split over data, without tensor parallelism, moves the "
         "tokens' cotangents and ids, not the table"),
     "vjp_hands_over_more": Quirk(
-        "any", "jax.vjp of a layer under remat none hands over the blocked kernel's masks and "
-        "masked scores (5 bytes a score) and a second fp32 copy in each norm, which XLA drops "
-        "when it schedules the backward itself: what 1F1B and ZB-H1 stash by hand"),
+        "any", "jax.vjp of a layer hands over the blocked kernel's masks and masked scores (5 "
+        "bytes a score), which XLA recomputes when it schedules autodiff's backward itself; "
+        "1F1B and ZB-H1 stash what vjp hands over"),
     "fresh_stage_gradient": Quirk(
         "any", "autodiff of GPipe's slot loop hands back a fresh fp32 gradient of the stage's "
         "layers per slot, beside the accumulator"),

@@ -1,0 +1,167 @@
+"""A layer's bytes per token, asked of the layer itself rather than restated: what its backward
+keeps under a remat policy, and its projections' inputs and outputs.
+
+`of(plan)` traces one layer (`Transformer.layer`, the code the step runs) at one device's share
+of it -- its heads, kv heads and MLP columns under tensor parallelism, its tokens under the ring
+-- with the attention kernel the plan runs, on abstract shapes: no devices, nothing allocated.
+What `jax.vjp` hands over for the backward is the residuals; tracing one row and two rows and
+taking the difference leaves what grows with the tokens (the weights and the RoPE tables drop
+out). The kernels as traced:
+
+* blocked: `causal_attention` itself;
+* ring, gather: their per-device code (`ring.py`) under a named axis of the `seq` degree;
+* cudnn (no GPU here to trace it on): a flash kernel's contract -- it keeps q, k, v, its output
+  and fp32 row statistics, and no scores -- which is exactly what the ring's per-device code
+  keeps on one device, so that is what is traced.
+
+Under sequence parallelism the residual stream is split over `tensor` (`res_length`): the
+norms run on it, and the row-parallel projections (those whose output is the model width) are
+reduce-scattered straight into it. What the layer keeps from its input, inside its norms and of
+those projections' outputs (found by their `named_scope`s) is counted at 1/tensor; the rest of
+the layer runs on the gathered sequence.
+
+The projections' outputs (`Ops.project`'s taps) are the cotangents a layer's backward holds at
+once, and with their inputs what a zero-bubble schedule's W waits for.
+
+Cached per distinct layer, so a search of thousands of layouts traces each a few times.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+REMATS = ("none", "save_dots", "full")
+
+
+def _TRACE_LAYOUT():
+    from contextlib import ExitStack
+
+    import jax
+    from jax.sharding import AbstractMesh
+
+    from ..mesh import AXES
+    from ..sharding import activation_rules, zero_rules
+    stack = ExitStack()
+    stack.enter_context(jax.sharding.use_abstract_mesh(AbstractMesh((1,) * len(AXES), AXES)))
+    stack.enter_context(activation_rules(zero_rules(0, False).compute, None))
+    return stack
+
+
+@dataclass(frozen=True)
+class Residual:
+    """One value the backward is handed, per token of one device."""
+
+    nbytes: float
+    dtype: str
+    stream: bool  # from the residual stream or a norm: split over tensor under SP
+    select: bool  # the output of a select (`jnp.where`): a mask, or values masked by one
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes per token of one layer on one device (see the module's docstring)."""
+
+    residuals: dict  # remat policy -> tuple of Residual
+    projection_inputs: float
+    projection_outputs: float
+
+    def handed_over(self, policy: str, tensor_split: int = 1) -> float:
+        """What `jax.vjp` hands over under `policy`: what 1F1B and ZB-H1 stash."""
+        return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy])
+
+    def kept(self, policy: str, tensor_split: int = 1, xla_drops: bool = True) -> float:
+        """What autodiff's backward keeps under `policy` once XLA schedules it itself: with
+        quirk `vjp_hands_over_more` (`xla_drops`), it recomputes selects (the blocked kernel's
+        masks and masked scores) rather than keep them."""
+        return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
+                   if not (xla_drops and r.select))
+
+
+def of(plan) -> LayerBytes:
+    """The plan's layer on one device (see the module's docstring)."""
+    m, mesh = plan.cfg.model, plan.mesh.shape
+    t, seq = mesh["tensor"], mesh["seq"]
+    local = replace(m, num_layers=1, vocab_size=8, num_heads=m.num_heads // t,
+                    num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t)
+    return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq)
+
+
+@functools.lru_cache(maxsize=256)
+def _trace(m, tokens: int, kernel: str, seq: int) -> LayerBytes:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from ..attention import causal_attention
+    from ..model import abstract_model
+    from ..ops import Ops
+    from ..ring import gathered_attention_local, ring_attention_local
+
+    axis = "seq"
+    attend = {"blocked": causal_attention,
+              "cudnn": lambda q, k, v: ring_attention_local(q, k, v, axis, 1),
+              "ring": lambda q, k, v: ring_attention_local(q, k, v, axis, seq),
+              "gather": lambda q, k, v: gathered_attention_local(q, k, v, axis, seq)}[kernel]
+    env = [(axis, seq if kernel in ("ring", "gather") else 1)]
+    model = nnx.merge(*abstract_model(m))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                          nnx.state(model.blocks))
+    rope = model.rope(np.arange(tokens))
+    ops = Ops(attend)
+
+    def x(rows):
+        return jax.ShapeDtypeStruct((rows, tokens, m.d_model), jnp.dtype(m.dtype))
+
+    def residuals(policy, rows):
+        layer = model.layer(policy, ops)
+        with _TRACE_LAYOUT():
+            closed = jax.make_jaxpr(lambda p, x: jax.vjp(lambda p, x: layer(p, x, rope), p,
+                                                         x)[1], axis_env=env)(params, x(rows))
+        return _describe(closed.jaxpr)
+
+    def per_token(policy):
+        one, two = residuals(policy, 1), residuals(policy, 2)
+        return tuple(Residual((b - a.nbytes) / tokens, a.dtype, a.stream, a.select)
+                     for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
+
+    def taps(rows):
+        tapped = ops.tap()
+
+        def run(p, x):
+            nnx.merge(nnx.graphdef(model.blocks), p)(x, *rope, tapped)
+            return tapped.inputs, tapped.outputs
+
+        ins, outs = jax.make_jaxpr(run, axis_env=env, return_shape=True)(params, x(rows))[1]
+        size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+        return size(ins), size(outs)
+
+    (i1, o1), (i2, o2) = taps(1), taps(2)
+    return LayerBytes({p: per_token(p) for p in REMATS}, (i2 - i1) / tokens, (o2 - o1) / tokens)
+
+
+def _stream_scopes() -> frozenset:
+    """The named scopes whose values live in the residual stream under SP: the norms, and the
+    row-parallel projections (their output is the model width: `PROJECTIONS` specs that end
+    in `btd`)."""
+    from ..model import MLP, Attention
+
+    rows = {name for cls in (Attention, MLP) for name, (_, spec) in cls.PROJECTIONS.items()
+            if spec.endswith("->btd")}
+    return frozenset({"norm", *rows})
+
+
+def _describe(jaxpr) -> list[Residual]:
+    """The residuals a vjp's closure holds (the traced function's outputs), in order."""
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    stream_scopes = _stream_scopes()
+    out = []
+    for v in jaxpr.outvars:
+        aval, eqn = v.aval, made.get(v)
+        scopes = set(str(eqn.source_info.name_stack).split("/")) if eqn is not None else set()
+        select = eqn is not None and (eqn.primitive.name == "select_n" or str(
+            eqn.params.get("name", "")) == "_where")
+        out.append(Residual(float(aval.size * aval.dtype.itemsize), str(aval.dtype),
+                            stream=eqn is None or bool(scopes & stream_scopes), select=select))
+    return out
