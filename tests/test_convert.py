@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spmd3d import checkpoint, config, convert, store
+from spmd3d.convert import __main__ as convert_command
 from spmd3d.model import abstract_model
 from spmd3d.plan import Plan
 from spmd3d.step import canonical_state, make_logits_fn
@@ -183,6 +184,6 @@ def test_bad_input_is_one_line_and_exit_2(case, blamed, tmp_path, capsys):
         dst.mkdir()
         argv = ["export", str(dst), str(tmp_path / "out"), "--dtype=int8"]
     capsys.readouterr()  # what saving the model printed
-    assert convert.main(argv) == 2
+    assert convert_command.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and blamed in err, err

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spmd3d import generate
+from spmd3d.generate import __main__ as generate_command
 from spmd3d.step import make_logits_fn
 
 PROMPTS = [[5, 17, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200]]
@@ -71,7 +72,7 @@ def test_stops_at_eos_and_at_the_cache_end(loaded):
 
 
 def test_command_streams_the_continuation(hf_dir, capsys):
-    assert generate.main([str(hf_dir), "--prompt", "def ", "--max-new", "8",
+    assert generate_command.main([str(hf_dir), "--prompt", "def ", "--max-new", "8",
                           "train.seq_len=32", "mesh.simulated_devices=0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out.encode()) >= len("def ") + 1
@@ -83,7 +84,7 @@ def test_command_streams_the_continuation(hf_dir, capsys):
     (["--prompt", "x", "--temperature", "hot"], "--temperature"),
     (["--prompt", "x", "--top-p", "0"], "--top-p")])
 def test_bad_input_is_one_line_and_exit_2(hf_dir, argv, blamed, capsys):
-    assert generate.main([str(hf_dir), *argv, "train.seq_len=32",
+    assert generate_command.main([str(hf_dir), *argv, "train.seq_len=32",
                           "mesh.simulated_devices=0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and blamed in err, err

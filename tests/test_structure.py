@@ -65,9 +65,9 @@ def test_graph_is_read():
 # the per-device helpers inside shard_map, readers of compiled programs, plain-numpy tables
 BOTTOM = {"schema", "config", "mesh", "store", "cli", "manual", "hlo", "ops", "pipeline.table",
           "units"}
-# the top: what `python -m` runs and nothing imports (convert, generate and plot still hold a
-# command beside their library code)
-COMMANDS = {"__main__", "train", "bench", "plan.__main__", "data.__main__", "checkpoint.__main__"}
+# the top: what `python -m` runs and nothing imports
+COMMANDS = {"__main__", "train", "bench", "plan.__main__", "data.__main__", "checkpoint.__main__",
+            "convert.__main__", "generate.__main__", "plot.__main__"}
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -109,13 +109,15 @@ def clean_env():
 
 def test_command_modules_import_without_jax():
     code = ("import sys\nimport spmd3d.train, spmd3d.bench, spmd3d.cli, spmd3d.config, spmd3d.convert\n"
+            "import spmd3d.convert.__main__, spmd3d.generate.__main__, spmd3d.plot.__main__\n"
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n")
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("command", ["train", "bench", "checkpoint", "plan", "convert"])
+@pytest.mark.parametrize("command", ["train", "bench", "checkpoint", "plan", "convert", "generate",
+                                     "plot"])
 def test_every_command_answers_help(command):
     out = subprocess.run([sys.executable, "-m", f"spmd3d.{command}", "--help"], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
@@ -126,6 +128,9 @@ def test_every_command_answers_help(command):
         return
     if command == "convert":
         assert "import HF_DIR RUN_DIR" in out.stdout and "export RUN_DIR HF_DIR" in out.stdout
+        return
+    if command in ("generate", "plot"):  # their flags only: they take no config file
+        assert ("--prompt" if command == "generate" else "--out") in out.stdout
         return
     lines = out.stdout.splitlines()
     for name, typ, default, meaning in config.field_docs():

@@ -1,5 +1,5 @@
-"""`python -m spmd3d.convert import HF_DIR RUN_DIR [key=value ...]` and
-`python -m spmd3d.convert export RUN_DIR HF_DIR [--step=N] [--dtype=D] [--max-shard-gb=N]`.
+"""Hugging Face LLaMA directories in and out of run directories (`python -m spmd3d.convert
+import|export` is the command, `__main__.py`).
 
 Import reads a transformers LLaMA directory (`hf.py` maps its config and weights) into a run
 directory that `python -m spmd3d.train RUN_DIR/config.yaml` fine-tunes on any mesh: a step-0
@@ -22,13 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 
-from . import cli
-from . import config as config_lib
-from .config import Config, ConfigError
-from .mesh import simulate_devices
+from .. import config as config_lib
+from ..config import Config, ConfigError
 
 LOG = logging.getLogger("spmd3d")
 # files of a HF model directory that travel with the weights (tokenizer, sampling defaults)
@@ -36,31 +33,11 @@ COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "generation_config.json")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
-COMMAND = cli.Command(
-    prog="python -m spmd3d.convert",
-    usage=("import HF_DIR RUN_DIR [key=value ...] [--config=PRESET]  |  "
-           "export RUN_DIR HF_DIR [--step=N] [--dtype=D] [--max-shard-gb=N]"),
-    description=("Import a Hugging Face LLaMA-family directory (config.json + safetensors) into "
-                 "a run directory that `python -m spmd3d.train RUN_DIR/config.yaml` fine-tunes "
-                 "on any mesh; or export a run's checkpoint as a directory that "
-                 "transformers.LlamaForCausalLM.from_pretrained loads. key=value overrides the "
-                 "run's config (mesh.*, train.*, optim.*: see python -m spmd3d.train --help); "
-                 "the model.* shape fields come from config.json."),
-    flags=(cli.Flag("--config", kind="str", help="import: the run's config before the "
-                                                "overrides (a preset's name or a YAML path)"),
-           cli.Flag("--step", kind="int", minimum=0, help="export: this step (default newest)"),
-           cli.Flag("--dtype", kind="str", help="export: float32 (default), bfloat16 or float16"),
-           cli.Flag("--max-shard-gb", kind="int", minimum=1,
-                    help="export: largest safetensors file, GB (default 5)")),
-    takes_config=False,
-)
-
-
 # ------------------------------------------------------------------------------------ import
 def import_config(hf_dir: str | Path, preset: str | None = None, overrides=()) -> Config:
     """The run's config: defaults <- `preset` <- `overrides` <- the model's fields from
     `HF_DIR/config.json` (validated once, all together: the mesh must suit that model)."""
-    from .hf import Reader, model_fields
+    from ..hf import Reader, model_fields
 
     fields = model_fields(Reader(hf_dir).config, f"{hf_dir}/config.json")
     tokenizer = [f"data.tokenizer={hf_dir}"] if (Path(hf_dir) / "tokenizer.json").is_file() else []
@@ -71,8 +48,8 @@ def import_config(hf_dir: str | Path, preset: str | None = None, overrides=()) -
 def load_params(hf_dir: str | Path, cfg, target):
     """The parameters of `HF_DIR` as `target` (the abstract params, canonical layer order, every
     leaf a ShapeDtypeStruct with its sharding) says: a pytree of jax Arrays."""
-    from . import store
-    from .hf import WEIGHTS, Reader
+    from .. import store
+    from ..hf import WEIGHTS, Reader
 
     reader = Reader(hf_dir)
     entries = store.flat(target)
@@ -87,7 +64,7 @@ def _place(reader, w, model, aval):
     import jax
     import numpy as np
 
-    from .hf import HFError
+    from ..hf import HFError
 
     shape, devices = aval.shape, aval.sharding.addressable_devices_indices_map(aval.shape)
     bounds = {d: tuple(s.indices(n)[:2] for s, n in zip(idx, shape)) for d, idx in devices.items()}
@@ -130,12 +107,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None
     import jax.numpy as jnp
     import yaml
 
-    from . import store
-    from .checkpoint import Checkpointer
-    from .optim import make_optimizer
-    from .plan import Plan
-    from .resume import checkpoint_meta
-    from .step import TrainState, canonical_state
+    from .. import store
+    from ..checkpoint import Checkpointer
+    from ..optim import make_optimizer
+    from ..plan import Plan
+    from ..resume import checkpoint_meta
+    from ..step import TrainState, canonical_state
 
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
@@ -173,8 +150,8 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
     import ml_dtypes
     import numpy as np
 
-    from . import checkpoint
-    from .hf import WEIGHTS, Writer, hf_config
+    from .. import checkpoint
+    from ..hf import WEIGHTS, Writer, hf_config
 
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)
     if hf_dir.exists() and any(hf_dir.iterdir()):
@@ -201,42 +178,3 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
         if (kept / name).is_file():
             shutil.copy2(kept / name, hf_dir / name)
     return files
-
-
-# ----------------------------------------------------------------------------------- command
-def _run(args: cli.Args) -> int:
-    pos = [a for a in args.positional if "=" not in a]
-    overrides = [a for a in args.positional if "=" in a]
-    if len(pos) != 3 or pos[0] not in ("import", "export"):
-        raise ConfigError("argv", f"usage: {COMMAND.prog} {COMMAND.usage}")
-    verb, src, dst = pos
-    if not Path(src).is_dir():
-        raise ConfigError("HF_DIR" if verb == "import" else "RUN_DIR", f"{src} is not a directory")
-    if verb == "export":
-        if overrides or args.flags.get("--config"):
-            raise ConfigError("argv", "export takes no config (the checkpoint has its own)")
-        dtype = args.flags.get("--dtype", "float32")
-        if dtype not in EXPORT_DTYPES:
-            raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
-        simulate_devices(1)
-        files = export_hf(src, dst, args.flags.get("--step"), dtype,
-                          args.flags.get("--max-shard-gb", 5) << 30)
-        LOG.info(f"exported {src} to {dst}: config.json, {', '.join(files)}")
-        return 0
-    from . import dist
-
-    cfg = import_config(src, args.flags.get("--config"), overrides)
-    simulate_devices(cfg.mesh.simulated_devices)
-    dist.initialize(cfg)
-    import_hf(src, dst, cfg)
-    LOG.info(f"imported {src} into {dst} (step 0); fine-tune with: python -m spmd3d.train "
-             f"{dst}/config.yaml [key=value ...]")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cli.run(COMMAND, argv, _run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
