@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import jax
 import numpy as np
@@ -146,3 +147,13 @@ def bpe_dir(path, vocab=300):
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|end_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
+
+
+def env_without_devices(platform: bool = False) -> dict:
+    """This interpreter's environment less the simulated-device count conftest sets (and
+    JAX_PLATFORMS, with `platform`), for a process that must set its own devices; conftest's
+    other XLA flags stay (LLVM's optimisation level)."""
+    env = {k: v for k, v in os.environ.items() if not (platform and k == "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    return env

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import spmd3d
-from helpers import SMALL, max_rel_diff
+from helpers import SMALL, env_without_devices, max_rel_diff
 from spmd3d.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def tp():
 
 def clean_env():
     """This interpreter's environment without the simulated-device flags conftest sets."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = env_without_devices(platform=True)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import SMALL, max_rel_diff, train_losses
+from helpers import SMALL, env_without_devices, max_rel_diff, train_losses
 from spmd3d import config
 from spmd3d.train import train
 
@@ -45,9 +45,7 @@ DEADLINE_S = 240
 
 
 def _env():
-    env = dict(os.environ)  # each process sets its own device count, keeps conftest's other flags
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env = env_without_devices()  # each process sets its own device count
     env.update(PYTHON=sys.executable, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     return env
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import env_without_devices
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -23,7 +25,7 @@ KERNEL = "spmd3d-test"
 
 
 def kernel_env(jupyter_dir: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = env_without_devices(platform=True)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["JUPYTER_PATH"] = str(jupyter_dir)
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
