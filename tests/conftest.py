@@ -8,7 +8,8 @@ the collectives -- and every comparison is between programs compiled alike.
 One persistent compilation cache serves the whole session, its xdist workers and the processes
 tests start (a run resumed in a fresh process, the processes of a multi-host job, a notebook's
 kernel): a program compiled twice is compiled once. It is fresh each session and removed at its
-end, so nothing carries over from one run of the suite to the next."""
+end, so nothing carries over from one run of the suite to the next; so is the directory where
+the workers share the one-device references every layout is compared with."""
 
 import atexit
 import os
@@ -24,3 +25,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd3d-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+if "SPMD3D_TEST_SHARED" not in os.environ:  # what the workers share (`helpers.reference_run`)
+    os.environ["SPMD3D_TEST_SHARED"] = tempfile.mkdtemp(prefix="spmd3d-tests-")
+    atexit.register(shutil.rmtree, os.environ["SPMD3D_TEST_SHARED"], True)

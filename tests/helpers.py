@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import json
 import os
+import pickle
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -100,8 +104,16 @@ def max_rel_diff(a, b):
 @functools.cache
 def reference_run(cfg):
     """(per-step losses, (loss, grads) at step 0) of `cfg` on one device: what layouts match,
-    computed once per session whichever test module asks first."""
-    return train_losses(cfg)[0], first_grads(cfg)
+    computed once per session whichever test module and whichever worker asks first (the
+    others wait for it and read it from the session's shared directory)."""
+    path = Path(os.environ["SPMD3D_TEST_SHARED"]) / (
+        "reference-" + hashlib.sha1(repr(cfg).encode()).hexdigest() + ".pkl")
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            out = jax.tree.map(np.asarray, (train_losses(cfg)[0], first_grads(cfg)))
+            path.write_bytes(pickle.dumps(out))
+    return pickle.loads(path.read_bytes())
 
 
 def assert_losses_match(cfg, ref_losses):

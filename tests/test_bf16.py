@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import devices_for, first_grads, max_rel_diff, small_config, train_losses
+from helpers import devices_for, first_grads, max_rel_diff, reference_run, small_config, train_losses
 from spmd3d import runtime
 from spmd3d.store import abstract_like
 
@@ -46,8 +46,7 @@ def cfg(extra=(), **kw):
 
 @pytest.fixture(scope="module")
 def reference():
-    c = cfg()
-    return train_losses(c)[0], first_grads(c)
+    return reference_run(cfg())
 
 
 def reducer_dtypes(job):

@@ -28,6 +28,10 @@ def local_bytes(tree, shardings):
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
+# one worker builds the compiled steps of the four ZeRO stages, not both
+pytestmark = pytest.mark.xdist_group("zero")
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Per ZeRO stage: (job, train-step memory, gradient-function memory)."""

@@ -92,7 +92,8 @@ class Schedule:
 
     @property
     def theory(self) -> str:
-        return "(p-1)/(3*v*m+p-1)" if self.kind == "zb_h1" else "(p-1)/(v*m+p-1)"
+        """The closed form `bubble` replays: a switch's idle slots cost one unit of three."""
+        return "(p-1)/(3*v*m+p-1)" if self.mode == "switch" else "(p-1)/(v*m+p-1)"
 
     @property
     def in_flight(self) -> int:
