@@ -209,13 +209,13 @@ def activation_bytes(plan) -> dict:
 
 def _kernel_working(plan) -> float:
     """Bytes per token a kernel that keeps no scores (`ring.py`'s custom vjps) holds while its
-    backward runs: one step's fp32 scores and their compute-dtype probabilities (the queries
-    against one device's keys), and under the gather the sequence's K/V with their fp32
-    gradients."""
+    backward runs: one step's scores (the queries against one device's keys) computed again,
+    their fp32 probabilities and gradient and the compute-dtype copy a matmul reads, and under
+    the gather the sequence's K/V with their fp32 gradients."""
     if plan.attention not in ("ring", "gather"):
         return 0.0
     w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.mesh.shape["seq"]
-    scores = w.scores * (F32 + c)
+    scores = w.scores * (2 * F32 + c)
     if plan.attention == "gather":
         scores += 2 * seq * w.kv * (c + F32)
     return scores
