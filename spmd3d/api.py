@@ -149,8 +149,9 @@ class Experiment:
 
     def sample(self, prompt: str | None = None, tokens: int | None = None) -> str:
         """`prompt` (default `run.sample_prompt`) and its continuation of `tokens` new
-        tokens by the current parameters, as the run's samples are made (`generate.Samples`)."""
-        from .generate import Samples
+        tokens by the current parameters, as the run's samples are made
+        (`generate.samples.Samples`)."""
+        from .generate.samples import Samples
 
         from dataclasses import replace
 

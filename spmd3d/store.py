@@ -79,10 +79,15 @@ def abstract_like(tree, shardings=None):
                         tree, shardings)
 
 
-def _leaf_hash(x: jax.Array) -> jax.Array:
+FINGERPRINT = 2  # the hash's version, stored beside the fingerprints (1: before odd weights)
+
+
+def _leaf_hash(x: jax.Array, version: int = FINGERPRINT) -> jax.Array:
     """Position-weighted sum of the bit patterns, mod 2**32. Integer addition is associative, so
     the value is the same whatever the sharding or reduction order; a flipped bit, a zeroed
-    chunk or two swapped blocks all change it."""
+    chunk or two swapped blocks all change it. Every weight is odd (version 2), so no single
+    flipped bit can vanish mod 2**32; version 1's weights (index * C + 1) were even at odd
+    indices and missed a flip in an element's top bits there (1 in 32 of them)."""
     bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
                                             8: jnp.uint32}[x.dtype.itemsize])
     bits = bits.astype(jnp.uint32)
@@ -93,13 +98,17 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
     for d in reversed(range(bits.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride)
         stride = (stride * bits.shape[d]) % (1 << 32)
-    return jnp.sum(bits * (index * jnp.uint32(0x9E3779B1) + jnp.uint32(1)), dtype=jnp.uint32)
+    c = jnp.uint32(0x9E3779B1)
+    weight = (index * jnp.uint32(2) + jnp.uint32(1)) * c if version >= 2 else index * c + 1
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
-_hash_all = jax.jit(lambda tree: jax.tree.map(_leaf_hash, tree))
+_hash_all = jax.jit(lambda tree, version: jax.tree.map(lambda x: _leaf_hash(x, version), tree),
+                    static_argnums=1)
 
 
-def fingerprint(state: Any) -> dict[str, int]:
+def fingerprint(state: Any, version: int = FINGERPRINT) -> dict[str, int]:
     """{leaf path: 32-bit hash} of an array pytree, computed where the arrays live (nothing is
-    gathered; one small jitted reduction per leaf)."""
-    return {k: int(v) for k, v in flat(jax.device_get(_hash_all(state))).items()}
+    gathered; one small jitted reduction per leaf); `version` of the hash (a checkpoint's
+    `fingerprint_version`, 1 when it has none)."""
+    return {k: int(v) for k, v in flat(jax.device_get(_hash_all(state, version))).items()}

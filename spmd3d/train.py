@@ -82,7 +82,7 @@ def _sinks(job, run_dir: Path, lead: bool):
 def _samples(job, lead: bool):
     """The sampler of `run.sample_every`, or None (off, or its copy of the parameters would
     not fit beside the training state: a warning, not an error)."""
-    from .generate import Samples
+    from .generate.samples import Samples
 
     if not job.cfg.run.sample_every:
         return None

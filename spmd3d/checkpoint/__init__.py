@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ..config import ConfigError
-from ..store import SCHEMA, fingerprint, flat, nest
+from ..store import FINGERPRINT, SCHEMA, fingerprint, flat, nest
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
@@ -58,6 +58,11 @@ class Damaged(Exception):
     def __init__(self, step: int, why: str):
         super().__init__(f'step {step} is damaged ({why})')
         self.step, self.why = step, why
+
+
+def _version(meta: dict) -> int:
+    """The fingerprint hash a checkpoint was written with (1: before the version was kept)."""
+    return int(meta.get('fingerprint_version', 1))
 
 
 def _all_processes(ok: bool) -> bool:
@@ -130,7 +135,8 @@ class Checkpointer:
             return False
         if step in self._mngr.all_steps():
             return False
-        meta = {'schema': SCHEMA, **meta, 'fingerprint': fingerprint(state)}
+        meta = {'schema': SCHEMA, **meta, 'fingerprint': fingerprint(state),
+                'fingerprint_version': FINGERPRINT}
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
@@ -169,7 +175,8 @@ class Checkpointer:
             raise Damaged(step, why or 'another process could not read its shards')
         expected = meta.get('fingerprint')
         if expected is not None:
-            bad = [k for k, v in fingerprint(state).items() if expected.get(k) != v]
+            bad = [k for k, v in fingerprint(state, _version(meta)).items()
+                   if expected.get(k) != v]
             if bad:
                 raise Damaged(step, f'{bad[0]} does not match its fingerprint'
                                     + (f' (+{len(bad) - 1} more arrays)' if len(bad) > 1 else ''))
@@ -331,7 +338,8 @@ def read(run_dir: str | os.PathLike, keys, step: int | None = None,
             args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
                                         partial_restore=True)))
     expected = meta.get('fingerprint', {})
-    bad = [k for k, v in fingerprint(arrays).items() if k in expected and expected[k] != v]
+    bad = [k for k, v in fingerprint(arrays, _version(meta)).items()
+           if k in expected and expected[k] != v]
     if bad:
         raise Damaged(step, f'{bad[0]} does not match its fingerprint')
     return arrays, meta

@@ -177,54 +177,6 @@ class Generator:
         return out
 
 
-class Samples:
-    """Samples during training (`run.sample_every`): the parameters copied into a
-    tensor-parallel layout on the same devices (rows of the batch over the rest, each the
-    same prompt), continued by `run.sample_tokens` tokens. `fits(need)` says whether that copy
-    fits beside the training state (the step's memory need, `memory.check`)."""
-
-    def __init__(self, plan):
-        import jax
-
-        from ..model import abstract_model
-        from ..pipeline import reorder_layers
-        from ..plan import Plan
-        from ..step import canonical_state
-        from ..tokenizer import load as load_tokenizer
-
-        cfg, devices = plan.cfg, list(plan.mesh.devices.flat)
-        rows = len(devices) // cfg.mesh.tensor
-        serving = config_lib.override(config_lib.load(None, SERVING, base=config_lib.to_dict(cfg)),
-                                      mesh={"tensor": cfg.mesh.tensor, "data": rows},
-                                      train={"global_batch": rows})
-        self.plan = Plan.resolve(serving, devices)
-        abstract, shardings = canonical_state(self.plan)
-        m, t = cfg.model, cfg.mesh.tensor
-        cache = (2 * m.num_layers * cfg.train.seq_len * m.num_kv_heads // t * m.dim_per_head
-                 * jax.numpy.dtype(m.dtype).itemsize)  # one row per device
-        self.bytes = sum(a.size * a.dtype.itemsize
-                         for a in jax.tree.leaves(abstract.params)) // t + cache
-        order = plan.layer_order
-        self._copy = jax.jit(lambda p: reorder_layers(p, order, inverse=True),
-                             out_shardings=shardings.params)
-        self.tok, self.text = load_tokenizer(cfg.data.tokenizer), cfg.run.sample_prompt
-        self.prompt = self.tok.encode(self.text)
-        if not 0 < len(self.prompt) < cfg.train.seq_len:
-            raise DataError("run.sample_prompt", f"{len(self.prompt)} tokens; it needs 1 to "
-                                                 f"train.seq_len - 1 = {cfg.train.seq_len - 1}")
-        self.rows, self.tokens = rows, cfg.run.sample_tokens
-        self.gen = Generator(self.plan, abstract_model(cfg.model)[0], None, TEMPERATURE, TOP_P)
-
-    def fits(self, need: dict | None) -> bool:
-        return not need or need["arguments"] + self.bytes <= need["limit"]
-
-    def __call__(self, params) -> str:
-        """The prompt and its continuation by `params` (the training plan's layout)."""
-        out = self.gen.generate([self.prompt] * self.rows, self.tokens, stop=self.tok.stop_ids,
-                                params=self._copy(params))
-        return self.text + self.tok.decode(out[0])
-
-
 def load(source: str | Path, overrides=(), devices=None):
     """(plan, graphdef, params, tokenizer) of a run directory's newest checkpoint or of a HF
     model directory, laid out for generation (`SERVING`, then `overrides`)."""
