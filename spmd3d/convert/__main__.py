@@ -1,21 +1,7 @@
 """`python -m spmd3d.convert import HF_DIR RUN_DIR [key=value ...]` and
-`python -m spmd3d.convert export RUN_DIR HF_DIR [--step=N] [--dtype=D] [--max-shard-gb=N]`.
-
-Import reads a transformers LLaMA directory (`hf.py` maps its config and weights) into a run
-directory that `python -m spmd3d.train RUN_DIR/config.yaml` fine-tunes on any mesh: a step-0
-checkpoint in the canonical [L, ...] layout (fresh optimizer state), `config.yaml` (the model's
-fields from `config.json`, the rest from `--config` and the overrides) and `hf/` (the original
-`config.json`, tokenizer and generation files, which an export hands back).
-
-Each weight goes straight into its sharding on this process's devices: a stacked weight is
-converted one layer at a time and each layer's slice copied into the shards that hold it, so
-a host holds at most its own shards of one weight plus one layer, never the model.
-
-Export reads a checkpoint one weight at a time (a host holds the largest stacked weight,
-e.g. 15 GB for LLaMA-3 8B's MLP in fp32) and writes `config.json` and safetensors files
-(`--max-shard-gb` each, with the index transformers reads when there are several) that
-`transformers.LlamaForCausalLM.from_pretrained` loads as they are.
-"""
+`python -m spmd3d.convert export RUN_DIR HF_DIR [--step=N] [--dtype=D] [--max-shard-gb=N]`:
+the command over the package's `import_hf` and `export_hf` (what each writes and holds in
+memory is said there)."""
 
 from __future__ import annotations
 

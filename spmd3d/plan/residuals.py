@@ -34,7 +34,10 @@ from dataclasses import dataclass, replace
 REMATS = ("none", "save_dots", "full")
 
 
-def _TRACE_LAYOUT():
+def _as_the_step():
+    """The context the step traces its layers in: activation rules active (on a mesh of one
+    device per axis), so the layer's sharding constraints and its weights' relayouts are the
+    step's own values (a constrained copy is a value the backward may keep)."""
     from contextlib import ExitStack
 
     import jax
@@ -53,7 +56,6 @@ class Residual:
     """One value the backward is handed, per token of one device."""
 
     nbytes: float
-    dtype: str
     stream: bool  # from the residual stream or a norm: split over tensor under SP
     select: bool  # the output of a select (`jnp.where`): a mask, or values masked by one
 
@@ -116,14 +118,14 @@ def _trace(m, tokens: int, kernel: str, seq: int) -> LayerBytes:
 
     def residuals(policy, rows):
         layer = model.layer(policy, ops)
-        with _TRACE_LAYOUT():
+        with _as_the_step():
             closed = jax.make_jaxpr(lambda p, x: jax.vjp(lambda p, x: layer(p, x, rope), p,
                                                          x)[1], axis_env=env)(params, x(rows))
         return _describe(closed.jaxpr)
 
     def per_token(policy):
         one, two = residuals(policy, 1), residuals(policy, 2)
-        return tuple(Residual((b - a.nbytes) / tokens, a.dtype, a.stream, a.select)
+        return tuple(Residual((b - a.nbytes) / tokens, a.stream, a.select)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
 
     def taps(rows):
@@ -162,6 +164,6 @@ def _describe(jaxpr) -> list[Residual]:
         scopes = set(str(eqn.source_info.name_stack).split("/")) if eqn is not None else set()
         select = eqn is not None and (eqn.primitive.name == "select_n" or str(
             eqn.params.get("name", "")) == "_where")
-        out.append(Residual(float(aval.size * aval.dtype.itemsize), str(aval.dtype),
+        out.append(Residual(float(aval.size * aval.dtype.itemsize),
                             stream=eqn is None or bool(scopes & stream_scopes), select=select))
     return out

@@ -1,10 +1,6 @@
-"""`python -m spmd3d.plot RUN_DIR [RUN_DIR ...] [--out=FILE]`
-
-A PNG of the training loss and the held-out loss of one or several runs (overlaid: two meshes,
-two learning rates), against optimizer steps and against tokens seen, read from each run's
-`metrics.jsonl`. A run writes its own `curves.png` this way when it ends. Exit status 0 done,
-2 bad input (a directory without metrics: one line).
-"""
+"""`python -m spmd3d.plot RUN_DIR [RUN_DIR ...] [--out=FILE]`: the loss curves of one or
+several runs as a PNG (`plot_runs`). Exit status 0 done, 2 bad input (a directory without
+metrics: one line)."""
 
 from __future__ import annotations
 
