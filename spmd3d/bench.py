@@ -30,7 +30,7 @@ from pathlib import Path
 from . import cli
 from . import config as config_lib
 from .config import Config, ConfigError
-from .mesh import simulate_devices
+from .mesh import data_degree, simulate_devices
 from .units import gib
 
 COMMAND = cli.Command(
@@ -112,7 +112,7 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
 
     plan = Plan.resolve(cfg)
     m, t, mesh = plan.cfg.model, plan.cfg.train, plan.mesh.shape
-    rows = max(1, t.global_batch // t.microbatches // mesh["data"])
+    rows = max(1, t.global_batch // t.microbatches // data_degree(mesh))
     k, g = m.num_kv_heads // mesh["tensor"], m.num_heads // m.num_kv_heads
     shapes = [(rows, t.seq_len, k, g, m.dim_per_head)] + [(rows, t.seq_len, k, m.dim_per_head)] * 2
     keys = jax.random.split(jax.random.key(0), 4)

@@ -232,6 +232,8 @@ def validate(cfg: Config) -> None:
         _need(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
               "must be greater than model.rope_low_freq_factor")
 
+    _validate_moe(m, mesh)
+
     _need(mesh.data == -1 or mesh.data > 0, "mesh.data", "must be positive or -1")
     for name in ("stage", "tensor", "seq"):
         _need(getattr(mesh, name) > 0, f"mesh.{name}", "must be positive")
@@ -310,6 +312,26 @@ def validate(cfg: Config) -> None:
               f"{cfg.dist.coordinator!r} is not HOST:PORT")
     _need(cfg.dist.heartbeat_timeout_s >= 2, "dist.heartbeat_timeout_s", "must be >= 2")
     _need(cfg.dist.init_timeout_s > 0, "dist.init_timeout_s", "must be positive")
+
+
+def _validate_moe(m, mesh) -> None:
+    _need(m.num_experts >= 0, "model.num_experts", "must be >= 0 (0: a dense MLP)")
+    _need(mesh.expert > 0, "mesh.expert", "must be positive")
+    if not m.is_moe:
+        _need(mesh.expert == 1, "mesh.expert", "expert parallelism needs model.num_experts > 0")
+        return
+    _need(0 < m.experts_per_token <= m.num_experts, "model.experts_per_token",
+          f"{m.experts_per_token} must be in [1, model.num_experts = {m.num_experts}]")
+    _need(m.d_ff_expert >= 0, "model.d_ff_expert", "must be >= 0 (0: d_ff)")
+    _need(m.shared_experts >= 0, "model.shared_experts", "must be >= 0")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate",
+                 "capacity_factor"):
+        _need(getattr(m, name) >= 0, f"model.{name}", "must be >= 0 (0: off" +
+              (", dropless)" if name == "capacity_factor" else ")"))
+    _divides("model.num_experts", m.num_experts, mesh.expert, "mesh.expert")
+    _divides("model.d_ff_expert", m.expert_width, mesh.tensor, "mesh.tensor")
+    if mesh.data > 0:
+        _divides("mesh.data", mesh.data, mesh.expert, "mesh.expert (experts split over data)")
 
 
 def resolve_mesh(cfg: Config, num_devices: int) -> Config:

@@ -1,4 +1,5 @@
-"""Hugging Face LLaMA <-> spmd3d: config fields, and every weight's name and layout both ways.
+"""Hugging Face LLaMA, Qwen3, Mixtral and Qwen3-MoE <-> spmd3d: config fields, and every weight's
+name and layout both ways.
 
 A LLaMA-family directory holds `config.json` and `*.safetensors` (one file, or several listed by
 `model.safetensors.index.json`). Its weights map onto the checkpoint schema's keys (`store.py`):
@@ -45,44 +46,90 @@ class HFError(ConfigError):
 
 
 # ------------------------------------------------------------------------------------- config
+FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
+# model types people will try that need features not built, with what is missing
+NOT_BUILT = {"deepseek_v3": "multi-head latent attention (MLA)", "deepseek_v2": "MLA",
+             "qwen2_moe": "the shared expert's gate", "gpt_oss": "attention sinks and biases"}
+
+
 def model_fields(hf: dict, where: str = "config.json") -> dict:
-    """`model.*` fields from a transformers LLaMA `config.json`; what the model cannot compute
-    the same way (biases, other activations, sliding windows, other RoPE scalings) is refused
-    with an `HFError` naming the field."""
+    """`model.*` fields from a transformers `config.json` of a family this model computes
+    (LLaMA, Mistral, Qwen3; Mixtral and Qwen3-MoE); what it cannot compute the same way
+    (biases, other activations, sliding windows, other RoPE scalings, dense layers among MoE
+    ones) is refused with an `HFError` naming the field."""
     def refuse(name, why):
         raise HFError(f"{where}: {name}", why)
 
     kind = hf.get("model_type")
-    if kind not in ("llama", "mistral"):  # Mistral without a sliding window is a LLaMA
-        refuse("model_type", f"{kind!r} is not supported (llama, or mistral without "
-                             "sliding_window)")
+    if kind in NOT_BUILT:
+        refuse("model_type", f"{kind!r} needs {NOT_BUILT[kind]}, which spmd3d does not have")
+    if kind not in FAMILIES:
+        refuse("model_type", f"{kind!r} is not supported ({', '.join(FAMILIES)})")
     for name in ("attention_bias", "mlp_bias"):
         if hf.get(name):
             refuse(name, "biases are not supported (spmd3d's LLaMA has none)")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"{hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
-    if hf.get("sliding_window"):
+    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
         refuse("sliding_window", "sliding-window attention is not supported")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
     rope.update(hf.get("rope_scaling") or {})
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope_kind = rope.get("rope_type", rope.get("type", "default"))
     fields = dict(num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], num_heads=heads,
                   num_kv_heads=hf.get("num_key_value_heads") or heads,
                   d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                   head_dim=0 if head_dim * heads == hf["hidden_size"] else head_dim,
                   rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                  rope_scaling="none")
-    if kind == "llama3":
+                  rope_scaling="none", qk_norm=kind in ("qwen3", "qwen3_moe"))
+    if rope_kind == "llama3":
         fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
                       rope_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
-    elif kind != "default":
-        refuse("rope_scaling", f"rope_type {kind!r} is not supported (default or llama3)")
+    elif rope_kind != "default":
+        refuse("rope_scaling", f"rope_type {rope_kind!r} is not supported (default or llama3)")
+    if kind == "mixtral":
+        if hf.get("router_jitter_noise"):
+            refuse("router_jitter_noise", "router noise is not supported")
+        fields.update(num_experts=hf["num_local_experts"], d_ff_expert=hf["intermediate_size"],
+                      router_renormalize=True)
+    elif kind == "qwen3_moe":
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            refuse("mlp_only_layers", "dense layers among the MoE ones are not supported "
+                                      "(every layer's MLP is MoE)")
+        # transformers 5 spells Qwen3-MoE's expert count as Mixtral's, 4 as `num_experts`
+        experts = hf.get("num_local_experts") or hf["num_experts"]
+        fields.update(num_experts=experts, d_ff_expert=hf["moe_intermediate_size"],
+                      router_renormalize=bool(hf.get("norm_topk_prob", False)))
+    if kind in ("mixtral", "qwen3_moe"):
+        fields.update(experts_per_token=hf["num_experts_per_tok"],
+                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
     return fields
+
+
+def family(cfg: ModelConfig) -> str:
+    """The transformers family an export writes: Qwen3 when the heads are q/k-normed (Qwen3-MoE
+    for MoE), else LLaMA (Mixtral for MoE)."""
+    if cfg.is_moe:
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def exportable(cfg: ModelConfig) -> None:
+    """Raises HFError where no transformers family holds `cfg`'s model."""
+    why = ("shared experts are in none of Mixtral, Qwen3-MoE" if cfg.shared_experts else
+           "Mixtral renormalizes the top-k weights (model.router_renormalize=false is "
+           "Qwen3-MoE's, with model.qk_norm=true)" if family(cfg) == "mixtral"
+           and not cfg.router_renormalize else "")
+    if why:
+        raise HFError("model", f"cannot be exported: {why}")
 
 
 def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
@@ -90,13 +137,25 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32"
     token ids and the like) with every field this model decides overwritten."""
     out = {k: v for k, v in (base or {}).items()
            if k not in ("rope_parameters", "rope_scaling", "auto_map", "quantization_config")}
-    heads, d = cfg.num_heads, cfg.d_model
-    out.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=d,
+    heads, d, kind = cfg.num_heads, cfg.d_model, family(cfg)
+    out.update(architectures=[ARCHITECTURES[kind]], model_type=kind, hidden_size=d,
                num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.dim_per_head,
                intermediate_size=cfg.d_ff, vocab_size=cfg.vocab_size, hidden_act="silu",
                rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
                mlp_bias=False, tie_word_embeddings=False, torch_dtype=dtype)
+    if kind == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   intermediate_size=cfg.expert_width, router_jitter_noise=0.0,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
+    elif kind == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
+                   decoder_sparse_step=1, mlp_only_layers=[],
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if kind.startswith("qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None)
     if "dtype" in out:  # transformers 5 writes `dtype`, 4 reads `torch_dtype`
         out["dtype"] = dtype
     out.setdefault("max_position_embeddings", cfg.rope_original_max_len)
@@ -146,7 +205,7 @@ _T_OUT = lambda w, cfg: [w.T]  # noqa: E731
 _SAME = lambda ts, cfg: ts[0]  # noqa: E731
 _SAME_OUT = lambda w, cfg: [w]  # noqa: E731
 
-WEIGHTS = (
+LLAMA = (
     Weight("embed", ("model.embed_tokens.weight",), _SAME, _SAME_OUT),
     Weight("blocks/attn_norm/scale", (_LAYER + "input_layernorm.weight",), _SAME, _SAME_OUT),
     Weight("blocks/attn/w_qkv", tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
@@ -164,6 +223,43 @@ WEIGHTS = (
     Weight("final_norm/scale", ("model.norm.weight",), _SAME, _SAME_OUT),
     Weight("head", ("lm_head.weight",), _T, _T_OUT),
 )
+WEIGHTS = LLAMA  # a LLaMA's (`weights` gives any model's)
+
+# an MoE layer's experts, per family: (module prefix, router, gate, up, down) names
+_EXPERTS = {"mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
+            "qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_weights(cfg: ModelConfig) -> tuple:
+    """A Mixtral or Qwen3-MoE layer's router and experts: E tensors per stacked weight, each
+    expert's [F, D] (gate, up) and [D, F] (down) to and from our [E, D, 2, F] and [E, F, D].
+    The router state (selection bias, statistics probe) is ours alone: zeros on import,
+    not exported."""
+    prefix, router, gate, up, down = _EXPERTS[family(cfg)]
+    e = cfg.num_experts
+    each = [_LAYER + f"{prefix}experts.{j}." for j in range(e)]
+    zeros = lambda n: (lambda ts, cfg: np.zeros(n, np.float32))  # noqa: E731
+    return (
+        Weight("blocks/mlp/router", (_LAYER + f"{prefix}{router}.weight",), _T, _T_OUT),
+        Weight("blocks/mlp/w_gate_up",
+               tuple(f"{x}{gate}.weight" for x in each) + tuple(f"{x}{up}.weight" for x in each),
+               lambda ts, cfg: np.stack([np.stack([g.T, u.T], axis=1)
+                                         for g, u in zip(ts[:e], ts[e:])]),
+               lambda w, cfg: [w[j, :, 0].T for j in range(e)] + [w[j, :, 1].T for j in range(e)]),
+        Weight("blocks/mlp/w_down", tuple(f"{x}{down}.weight" for x in each),
+               lambda ts, cfg: np.stack([t.T for t in ts]), lambda w, cfg: [t.T for t in w]),
+        Weight("blocks/mlp/bias", (), zeros(e), lambda w, cfg: []),
+        Weight("blocks/mlp/probe", (), zeros(e + 3), lambda w, cfg: []),
+    )
+
+
+def weights(cfg: ModelConfig) -> tuple:
+    """Every parameter's conversion for `cfg`'s model (its family: `family`)."""
+    out = [w for w in LLAMA if not (cfg.is_moe and w.key.startswith("blocks/mlp/"))]
+    if cfg.qk_norm:
+        out += [Weight(f"blocks/attn/{n}", (_LAYER + f"self_attn.{n}.weight",), _SAME, _SAME_OUT)
+                for n in ("q_norm", "k_norm")]
+    return tuple(out) + (_moe_weights(cfg) if cfg.is_moe else ())
 
 
 # -------------------------------------------------------------------------- safetensors files

@@ -17,6 +17,7 @@ import re
 
 from .cli import Failure
 from .config import ConfigError
+from .mesh import data_degree
 from .units import human
 
 
@@ -100,7 +101,7 @@ def _advice(plan, largest: str) -> str:
     else:
         if par.remat in ("none", "save_dots"):
             tips.append("parallel.remat=full" + (" or stage" if plan.schedule else ""))
-        rows = t.global_batch // plan.microbatches // plan.mesh.shape["data"]
+        rows = t.global_batch // plan.microbatches // data_degree(plan.mesh.shape)
         if rows > 1:
             tips.append("more train.microbatches (fewer rows at a time)")
         if mesh.seq == 1:

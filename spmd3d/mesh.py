@@ -3,6 +3,10 @@
 The four mesh axis names are spelled here and nowhere else (the rules table in `sharding.py`
 imports them). Axis order is outermost-first: `data` and `stage` vary slowest, so they span
 nodes; `tensor` and `seq` vary fastest, so neighbouring devices, the ones on NVLink, share them.
+
+Expert parallelism (an MoE model with `mesh.expert` > 1) builds the data-parallel devices as
+two axes, `data` x `expert`: the batch is split over both (dense layers see one data-parallel
+group, as before), the experts over `expert` alone. A dense mesh has no `expert` axis.
 """
 
 from __future__ import annotations
@@ -17,6 +21,18 @@ import numpy as np
 import yaml
 
 DATA, STAGE, TENSOR, SEQ = AXES = ("data", "stage", "tensor", "seq")
+EXPERT = "expert"
+
+
+def axis_names(sizes: dict) -> tuple:
+    """The mesh's axes for `sizes` (MeshConfig.sizes()): AXES, with EXPERT after `stage` (nearer
+    the fast links than `stage`: its collectives run every MoE layer) when it is there."""
+    return AXES[:2] + (EXPERT,) + AXES[2:] if EXPERT in sizes else AXES
+
+
+def data_degree(shape) -> int:
+    """Devices the batch is split over: data x expert."""
+    return shape[DATA] * shape.get(EXPERT, 1)
 MESH_DIR = Path(__file__).resolve().parent / "meshes"  # top-level meshes/ links here
 
 
@@ -163,25 +179,26 @@ def split_over_hosts(sizes: dict, per_host: int, hosts: int,
     """
     from .config import ConfigError
 
-    total = int(np.prod([sizes[a] for a in AXES]))
+    names = axis_names(sizes)
+    total = int(np.prod([sizes[a] for a in names]))
     if total != per_host * hosts:
         raise ConfigError("mesh", f"data*stage*tensor*seq = {total} but there are {hosts} "
                                   f"hosts of {per_host} devices")
     inner, room = {}, per_host
-    for a in reversed(AXES):  # seq, tensor, stage, data
+    for a in reversed(names):  # seq, tensor, (expert,) stage, data
         inner[a] = int(np.gcd(sizes[a], room))
         room //= inner[a]
     # room always ends at 1 (each gcd takes every factor the axis can give, and the product
     # holds all of per_host's): each host gets one whole block of the mesh
-    outer = {a: sizes[a] // inner[a] for a in AXES}
+    outer = {a: sizes[a] // inner[a] for a in names}
     for a in (TENSOR, SEQ):
         if outer[a] > 1 and not allow_cross_host:
-            inside = " x ".join(f"{b} {inner[b]}" for b in AXES if inner[b] > 1) or "nothing"
+            inside = " x ".join(f"{b} {inner[b]}" for b in names if inner[b] > 1) or "nothing"
             raise ConfigError(f"mesh.{a}", (
                 f"{a} = {sizes[a]} would span {outer[a]} hosts (a host has {per_host} devices, "
                 f"holding {inside}); {a} talks every layer and needs the fast links inside a "
                 f"host: lower mesh.{a}, or set mesh.allow_cross_host=true to run it anyway"))
-    return [inner[a] for a in AXES], [outer[a] for a in AXES]
+    return [inner[a] for a in names], [outer[a] for a in names]
 
 
 def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
@@ -196,7 +213,8 @@ def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
     from jax.sharding import AxisType, Mesh
 
     devices = list(jax.devices() if devices is None else devices)
-    shape = [sizes[a] for a in AXES]
+    names = axis_names(sizes)
+    shape = [sizes[a] for a in names]
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh {sizes} needs {int(np.prod(shape))} devices, got {len(devices)}")
     hosts = len({d.process_index for d in devices})
@@ -205,7 +223,7 @@ def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
         grid = mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
     else:
         grid = np.asarray(devices).reshape(shape)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def abstract_mesh(sizes: dict):
@@ -213,4 +231,6 @@ def abstract_mesh(sizes: dict):
     derive every sharding and to trace, for planning a layout larger than this machine."""
     from jax.sharding import AbstractMesh, AxisType
 
-    return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    names = axis_names(sizes)
+    return AbstractMesh(tuple(sizes[a] for a in names), names,
+                        axis_types=(AxisType.Auto,) * len(names))

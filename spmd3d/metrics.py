@@ -14,8 +14,10 @@ LOG = logging.getLogger("spmd3d.metrics")
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in matmuls: every block weight and the output head."""
-    return cfg.num_layers * cfg.layer_params + cfg.d_model * cfg.vocab_size
+    """Parameters a token's matmuls use: every block weight (of an MoE layer, the router, the
+    shared experts and the top-k it is sent to: FLOPs by active parameters, as Megatron and
+    MaxText count MoE) and the output head."""
+    return cfg.num_layers * cfg.active_layer_params + cfg.d_model * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: float = 0.5) -> float:
@@ -118,6 +120,9 @@ def format_line(r: dict, total_steps: int) -> str:
                   f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_time_s']:.3f} s/step"]
         if not math.isnan(r.get("mfu", math.nan)):
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
+        if "moe_imbalance" in r:
+            parts.append(f"experts: aux {r['moe_aux_loss']:.3f} imbalance "
+                         f"{r['moe_imbalance']:.2f}")
     if "eval_loss" in r:
         parts.append(f"eval_loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.2f})")
     if "step_time_s" in r and r["step"] < total_steps:

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from . import moe
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .manual import psum, unroll, vary
@@ -97,6 +98,10 @@ class Attention(nnx.Module):
         d, k, h = cfg.d_model, cfg.num_kv_heads, cfg.dim_per_head
         self.g = cfg.num_heads // k
         self.dtype = cfg.dtype
+        self.eps = cfg.norm_eps
+        # Qwen3: RMSNorm over each query and key head before RoPE, one [H] scale each
+        self.q_norm = Param(jnp.ones((h,), cfg.param_dtype), axes=("head_dim",)) if cfg.qk_norm else None
+        self.k_norm = Param(jnp.ones((h,), cfg.param_dtype), axes=("head_dim",)) if cfg.qk_norm else None
         self.w_qkv = _param(rngs, (d, k, self.g + 2, h), ("embed", "kv_heads", "q_per_kv", "head_dim"),
                             cfg.init_std, cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -107,8 +112,13 @@ class Attention(nnx.Module):
         qkv = _project(self, "qkv", x_btd, ops)
         # a split (not three slices): its transpose is one concatenate, not pads and adds
         q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
+        k = k[:, :, :, 0]
+        if self.q_norm is not None:
+            with jax.named_scope("norm"):
+                q = rms_norm(q, _use(self.q_norm, jnp.float32), self.eps)
+                k = rms_norm(k, _use(self.k_norm, jnp.float32), self.eps)
         q = apply_rope(q, cos, sin)
-        k = apply_rope(k[:, :, :, 0], cos, sin)
+        k = apply_rope(k, cos, sin)
         v = v[:, :, :, 0]
         q = constrain(q, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
@@ -141,12 +151,48 @@ class MLP(nnx.Module):
         return _project(self, "down", a, ops)
 
 
+class MoE(nnx.Module):
+    """Mixture-of-Experts feed-forward: a router (fp32 logits) sends each token to its top-k
+    of E SwiGLU experts ([E, D, 2, F] and [E, F, D], stacked), whose outputs are summed with
+    the router's weights (`moe.experts_layer`), plus optional shared experts every token
+    passes through (one SwiGLU of their summed width)."""
+
+    PROJECTIONS: dict = {}  # none tapped for ZB-H1: the experts' gradients come with B
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        from dataclasses import replace
+
+        e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_width
+        self.dtype, self.cfg = cfg.dtype, cfg
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.router = _param(rngs, (d, e), ("embed", "routes"), cfg.init_std, cfg.param_dtype)
+        self.w_gate_up = _param(rngs, (e, d, 2, f), ("experts", "expert_embed", "gate_up", "mlp"),
+                                cfg.init_std, cfg.param_dtype)
+        self.w_down = _param(rngs, (e, f, d), ("experts", "mlp", "expert_embed"), out_std,
+                             cfg.param_dtype)
+        self.bias = moe.RouterState(jnp.zeros((e,), jnp.float32), axes=("routes",))
+        self.probe = moe.RouterState(jnp.zeros((moe.stats_size(e),), jnp.float32), axes=("routes",))
+        self.shared = (MLP(replace(cfg, d_ff=cfg.shared_experts * f), rngs)
+                       if cfg.shared_experts else None)
+
+    def __call__(self, x_btd, ops: Ops | None = None):
+        c, L = self.cfg, self.cfg.num_layers
+        with jax.named_scope("experts"):
+            y = moe.experts_layer(
+                x_btd, _use(self.router, self.dtype), _use(self.w_gate_up, self.dtype),
+                _use(self.w_down, self.dtype), self.bias[...], self.probe[...],
+                k=c.experts_per_token, renormalize=c.router_renormalize,
+                aux_weight=c.router_aux_loss_coef / L, z_weight=c.router_z_loss_coef / L,
+                capacity_factor=c.capacity_factor)
+        return y if self.shared is None else y + self.shared(x_btd)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
 
     def project(self, name: str, x):
         """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""

@@ -21,19 +21,27 @@ Shapes: logits[T, E] (tokens flattened), weights and experts [T, k].
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from .manual import psum, vary, varying
+from .mesh import DATA, EXPERT, SEQ
+from .sharding import Param, current_layout
+from .vocab import token_shards
+
+TOKEN_AXES = (DATA, EXPERT, SEQ)  # the mesh axes that split tokens
 
 
 def route(logits_te, k: int, renormalize: bool = True, bias_e=None):
-    """(weights[T, k] fp32, experts[T, k] int32) of router logits, best first."""
-    probs = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
-    scores = probs if bias_e is None else probs + bias_e.astype(jnp.float32)
-    _, experts = jax.lax.top_k(scores, k)
-    weights = jnp.take_along_axis(probs, experts, axis=-1)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+    """(weights[T, k] fp32, experts[T, k] int32) of router logits, best first: `choose`, then
+    `weigh` (the layer runs the two apart, the balancing terms between them)."""
+    experts = choose(logits_te, k, bias_e)
+    return weigh(logits_te, experts, renormalize), experts
 
 
 def expert_load(experts_tk, num_experts: int):
@@ -61,3 +69,259 @@ def imbalance(experts_tk, num_experts: int):
     """The most loaded expert's assignments over the mean (1: perfectly even)."""
     load = expert_load(experts_tk, num_experts)
     return jnp.max(load) / jnp.mean(load)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer's compute: routing, the balancing terms' gradients, the experts
+
+STATS_EXTRA = 3  # a layer's statistics: E expert loads, then these (aux, z, dropped)
+
+
+def stats_size(num_experts: int) -> int:
+    return num_experts + STATS_EXTRA
+
+
+def choose(logits_te, k: int, bias_e=None):
+    """experts[T, k] int32: the top k of the softmax (plus the selection-only bias)."""
+    scores = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+    if bias_e is not None:
+        scores = scores + jax.lax.stop_gradient(bias_e).astype(jnp.float32)
+    return jax.lax.top_k(jax.lax.stop_gradient(scores), k)[1].astype(jnp.int32)
+
+
+def weigh(logits_te, experts_tk, renormalize: bool = True):
+    """weights[T, k] fp32 of the chosen experts (`route`'s conventions)."""
+    probs = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+    weights = jnp.take_along_axis(probs, experts_tk, axis=-1)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True) if renormalize else weights
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def balanced(logits_te, probe_s, experts_tk, dropped, how):
+    """`logits` as they are. Differentiated, their cotangent gains the balancing terms' own
+    (`how` = (aux weight, z weight, token axes)) and `probe`'s cotangent is the layer's
+    statistics: this device's expert loads, the load-balancing loss times its token count,
+    its tokens' summed squared log-sum-exp, and the assignments its experts `dropped` (over
+    capacity).
+
+    This is how the terms join the loss without the layer returning anything more than its
+    output (Megatron's MoEAuxLossAutoScaler does the same): whatever runs the layer -- a layer
+    scan, a pipeline's ticks, accumulated microbatches -- sums `probe`'s gradient over tokens,
+    devices and microbatches as it sums every other gradient, and the step divides all of them
+    by the step's token count. So with the weights given per token (`_fwd`), the objective is
+    the mean cross-entropy plus aux weight x the mean over microbatches of each layer's
+    load-balancing loss (over the microbatch's tokens on every device) plus z weight x the
+    mean z-loss over every token, each layer counted once; the statistics come out as loads
+    per token, the microbatches' mean balancing loss and the mean z-loss."""
+    return logits_te
+
+
+def _balanced_fwd(logits_te, probe_s, experts_tk, dropped, how):
+    _, _, axes = how
+    t, e = logits_te.shape
+    probs = jax.nn.softmax(logits_te, axis=-1)
+    lse = jax.nn.logsumexp(logits_te, axis=-1)
+    load = expert_load(experts_tk, e)
+    total, tokens, mean_probs = jax.lax.psum((load, jnp.float32(t), jnp.sum(probs, axis=0)), axes)
+    share = total / tokens  # assignments per token
+    aux = e * jnp.sum(share * mean_probs / tokens)
+    stats = jnp.concatenate([load, jnp.stack([aux * t, jnp.sum(lse * lse),
+                                              jnp.asarray(dropped, jnp.float32)])])
+    return logits_te, (probs, lse, share, stats)
+
+
+def _balanced_bwd(how, residuals, g_te):
+    aux_weight, z_weight, axes = how
+    probs, lse, share, stats = residuals
+    e = probs.shape[-1]
+    # A backward given a zero cotangent gives zero, as a linear one does: a lockstep
+    # pipeline runs backwards on its bubbles' padding with a zero cotangent and adds what
+    # they give. So the terms count for a microbatch whose cotangent is non-zero anywhere.
+    real = (jax.lax.psum(jnp.any(g_te != 0).astype(jnp.float32), axes) > 0).astype(jnp.float32)
+    # per token (see `balanced`): d aux / d probs[t, e] x the microbatch's tokens = E share_e
+    g_probs = aux_weight * e * jnp.broadcast_to(share, probs.shape)
+    g_aux = probs * (g_probs - jnp.sum(probs * g_probs, axis=-1, keepdims=True))
+    g_z = z_weight * 2.0 * lse[:, None] * probs
+    return (g_te + (real * (g_aux + g_z)).astype(g_te.dtype), (real * stats).astype(g_te.dtype),
+            None, None)
+
+
+balanced.defvjp(_balanced_fwd, _balanced_bwd)
+
+
+def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int = 0):
+    """y[N, D]: each token through its chosen experts among the local ones (global ids
+    first .. first + E_local - 1), weighted; others contribute zero. Dropless: the N k
+    assignments sorted by expert, two grouped matmuls (`jax.lax.ragged_dot`) over the groups,
+    then put back in token order and summed over each token's k."""
+    n, k = experts_nk.shape
+    e_local, d = gate_up_edcf.shape[0], x_nd.shape[-1]
+    local = experts_nk.reshape(-1) - first
+    mine = (local >= 0) & (local < e_local)
+    key = jnp.where(mine, local, e_local)  # the other devices' assignments sort last
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((e_local + 1,), jnp.int32).at[key].add(1)[:e_local]
+    rows = x_nd[order // k]  # [N k, D], grouped by expert
+    # gate and up apart: merging [2, F] into one dim would move F's shards (over `tensor`)
+    gate, up = (jax.lax.ragged_dot(rows, gate_up_edcf[:, :, c], sizes) for c in (0, 1))
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes)  # [N k, D]; 0 past the groups
+    y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, d)  # back in assignment order
+    w = jnp.where(mine, weights_nk.reshape(-1), 0.0).reshape(n, k).astype(y.dtype)
+    return jnp.einsum("nkd,nk->nd", y, w)
+
+
+def capacity(factor: float, assignments: int, num_experts: int) -> int:
+    """Assignments an expert takes at most: `factor` x its even share (at least 1)."""
+    return max(1, math.ceil(factor * assignments / num_experts))
+
+
+def slots(experts_nk, first: int, e_local: int, cap: int):
+    """(slot[N, k]: local expert x cap + its rank among the expert's assignments, or -1 where
+    the assignment is another device's or over capacity; the assignments dropped). Ranks go
+    first choices first, then by token (GShard's priority: a token loses its second expert
+    before another token loses its first)."""
+    n, k = experts_nk.shape
+    local = (experts_nk - first).T.reshape(-1)  # choice-major
+    mine = (local >= 0) & (local < e_local)
+    onehot = ((local[:, None] == jnp.arange(e_local)) & mine[:, None]).astype(jnp.int32)
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    keep = mine & (rank < cap)
+    slot = jnp.where(keep, local * cap + rank, -1).reshape(k, n).T
+    return slot, jnp.sum(mine & ~keep).astype(jnp.float32)
+
+
+def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
+    """`grouped_ffn` with each local expert's assignments in a fixed [cap, D] buffer (`slots`):
+    plain batched matmuls, the same shapes whatever the routing (what a GPU without grouped
+    matmul kernels runs well); an assignment without a slot contributes zero."""
+    n, k = slot_nk.shape
+    e_local, d = gate_up_edcf.shape[0], x_nd.shape[-1]
+    flat = slot_nk.reshape(-1)
+    kept = flat >= 0
+    where = jnp.where(kept, flat, e_local * cap)  # the assignments without a slot: one more row
+    buffer = jnp.zeros((e_local * cap + 1, d), x_nd.dtype).at[where].set(x_nd[jnp.arange(n * k) // k])
+    buffer = buffer[:-1].reshape(e_local, cap, d)
+    gate, up = (jnp.einsum("ecd,edf->ecf", buffer, gate_up_edcf[:, :, c]) for c in (0, 1))
+    out = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down_efd).reshape(-1, d)
+    y = jnp.where(kept[:, None], out[jnp.minimum(where, e_local * cap - 1)], 0)
+    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights_nk.astype(y.dtype))
+
+
+def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, k: int,
+                  renormalize: bool, aux_weight: float, z_weight: float,
+                  capacity_factor: float = 0.0):
+    """The routed experts of an MoE layer: y[B, T, D] for x[B, T, D] (the weights as used:
+    cast, and laid out by the compute rules: experts over `expert`, their hidden dim over
+    `tensor`).
+
+    Per device (a shard_map manual over the axes that split tokens and the tensor axis; inside
+    a pipeline's, those already manual stay so): each device routes its own tokens. With
+    expert parallelism the tokens and their choices are all-gathered over `expert` (one of the
+    batch's axes), each device runs its experts on the assignments that chose them, and the
+    outputs are reduce-scattered back, each token's sum over the devices holding its experts:
+    exact and dropless, one all-gather and one reduce-scatter of the tokens per layer. Under
+    tensor parallelism each device holds a slice of every expert's hidden dim; their partial
+    outputs are summed over `tensor` last, once per token (Megatron's row-parallel sum): left
+    to the compiler, the sum comes before the reduce-scatter and the weighting, over every
+    gathered assignment, k x expert times the bytes."""
+    layout = current_layout()
+    manual_now = varying(jax.typeof(x_btd))
+    mesh, enter, rows, cols = (None, (), None, None) if layout is None else token_shards(layout)
+    tokens = tuple(enter) + tuple(a for a in manual_now if a in TOKEN_AXES)
+    e_axis = EXPERT if EXPERT in tokens else None
+    t_axis = None if layout is None else layout.compute["mlp"]
+    # inside a pipeline's shard_map `tensor` stays automatic (a shard_map of its own, nested in
+    # ZB-H1's per-stage branches, does not lower): the compiler then sums over it before the
+    # reduce-scatter, every gathered assignment (docs/moe.md)
+    t_axis = t_axis if t_axis is not None and mesh.shape[t_axis] > 1 and not manual_now else None
+    how = (aux_weight, z_weight, tokens)
+
+    def local(x, router, gate_up, down, bias, probe):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        router, probe = vary(router, tokens), vary(probe, tokens)
+        logits = jnp.einsum("nd,de->ne", x, router, preferred_element_type=jnp.float32)
+        experts = choose(logits, k, bias)
+        first, mine, e_local = 0, experts, gate_up.shape[0]
+        if e_axis is not None:  # every assignment of the group, and which experts are ours
+            mine = jax.lax.all_gather(experts, e_axis, tiled=True)
+            first = jax.lax.axis_index(e_axis) * e_local
+        dropped, slot = 0.0, None
+        if capacity_factor > 0:
+            cap = capacity(capacity_factor, mine.size, bias.shape[0])
+            slot, dropped = slots(mine, first, e_local, cap)
+        weights = weigh(balanced(logits, probe, experts, dropped, how), experts, renormalize)
+        if t_axis is not None:  # before the gather: the backward sums one token's gradient
+            x = vary(x, (t_axis,))
+        if e_axis is not None:
+            x, weights = (jax.lax.all_gather(a, e_axis, tiled=True) for a in (x, weights))
+        gate_up, down = vary(gate_up, tokens), vary(down, tokens)
+        y = (grouped_ffn(x, gate_up, down, weights, mine, first) if slot is None else
+             capacity_ffn(x, gate_up, down, weights, slot, cap))
+        if e_axis is not None:
+            y = jax.lax.psum_scatter(y, e_axis, scatter_dimension=0, tiled=True)
+        if t_axis is not None:
+            y = psum(y, (t_axis,))
+        return y.reshape(b, t, d)
+
+    args = (x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s)
+    axes = set(enter) | ({t_axis} if t_axis else set())
+    if not axes:
+        return local(*args)
+    e = e_axis if e_axis in enter else None
+    specs = (P(rows, cols, None), P(), P(e, None, None, t_axis), P(e, t_axis, None), P(), P())
+    return jax.shard_map(local, mesh=mesh, axis_names=axes, in_specs=specs,
+                         out_specs=P(rows, cols, None))(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the step's side: statistics out of the gradients, the bias rule, what the optimizer skips
+
+class RouterState(Param):
+    """A router's per-layer vector that is state but not trained by the optimizer: the
+    selection-only expert bias (updated by the step's rule, `update_bias`) and the statistics
+    probe, a zero whose gradient is the layer's routing statistics (`balanced`). Both are kept
+    in checkpoints like the weights."""
+
+
+def _router_state(v) -> bool:
+    return isinstance(v, RouterState)
+
+
+def trainable(params):
+    """A tree of bools: False for the RouterState leaves (the bias and the statistics probe),
+    which the optimizer neither updates nor keeps moments for."""
+    return jax.tree.map(lambda v: not _router_state(v), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def split_stats(grads):
+    """(per-layer statistics [L, E + 3] in storage order, or None for a dense model; the
+    gradients with every RouterState leaf's zeroed). The statistics are the probe's gradient
+    (`balanced`), already divided by the step's tokens: each expert's assignments per token,
+    the balancing loss, the z-loss and the dropped assignments per token."""
+    mlp = grads["blocks"]["mlp"]
+    stats = mlp["probe"][...] if "probe" in mlp else None
+    zeroed = jax.tree.map(lambda v: jax.tree.map(jnp.zeros_like, v) if _router_state(v) else v,
+                          grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return stats, zeroed
+
+
+def step_metrics(stats_ls, active=None) -> dict:
+    """The step's routing metrics from the statistics of its real layers: the balancing loss
+    and z-loss (mean over layers), the worst layer's imbalance (its most loaded expert's
+    assignments over the mean) and the dropped share of assignments."""
+    if active is not None:
+        stats_ls = stats_ls[jnp.asarray(active)]
+    loads, extra = stats_ls[:, :-STATS_EXTRA], stats_ls[:, -STATS_EXTRA:]
+    return {"moe_aux_loss": jnp.mean(extra[:, 0]), "moe_z_loss": jnp.mean(extra[:, 1]),
+            "moe_imbalance": jnp.max(jnp.max(loads, axis=1) / jnp.mean(loads, axis=1)),
+            "moe_dropped": jnp.sum(extra[:, 2]) / jnp.sum(loads)}
+
+
+def update_bias(bias_le, stats_ls, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing: each layer's expert bias moves by `rate`
+    towards the under-loaded experts, b_e += rate * sign(mean load - load_e), from the step's
+    loads; outside the optimizer (no moments, no weight decay, no learning rate)."""
+    loads = stats_ls[:, :-STATS_EXTRA]
+    return bias_le + rate * jnp.sign(jnp.mean(loads, axis=1, keepdims=True) - loads)

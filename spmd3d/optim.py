@@ -78,8 +78,17 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float,
     return optax.GradientTransformation(adam.init, update)
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, params=None) -> optax.GradientTransformation:
     """Clipping (unless `clip_norm` is 0), Adam, decoupled weight decay: `optax.adamw` up to
-    its final scaling by -lr, which the step applies."""
-    return optax.chain(scale_by_clipped_adam(cfg.clip_norm, cfg.b1, cfg.b2, cfg.eps),
-                       optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+    its final scaling by -lr, which the step applies. For a model with router state (MoE:
+    `moe.trainable` says which leaves; `params` is any tree shaped as the parameters), the
+    optimizer is masked to the trained leaves: no moments for the rest, whose updates the
+    step makes itself."""
+    tx = optax.chain(scale_by_clipped_adam(cfg.clip_norm, cfg.b1, cfg.b2, cfg.eps),
+                     optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+    if params is None:
+        return tx
+    from .moe import trainable
+
+    mask = trainable(params)
+    return tx if all(jax.tree.leaves(mask)) else optax.masked(tx, trainable)

@@ -88,6 +88,31 @@ class ModelConfig:
     param_dtype: str = doc("float32", "dtype of the master weights and optimizer state")
     attention: str = doc("auto", "auto (cudnn on a GPU when the shapes allow, else blocked), "
                                  "blocked (pure JAX) or cudnn (cuDNN flash attention)")
+    qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
+    # Mixture-of-Experts (moe.py): every layer's MLP is `num_experts` SwiGLU experts, each
+    # token sent to `experts_per_token` of them by a router, plus `shared_experts` every token
+    # passes through
+    num_experts: int = doc(0, "experts per MoE layer; 0: a dense MLP")
+    experts_per_token: int = doc(2, "MoE: experts each token is sent to (top-k)")
+    d_ff_expert: int = doc(0, "MoE: hidden width of one expert; 0: d_ff")
+    shared_experts: int = doc(0, "MoE: experts of width d_ff_expert every token passes through")
+    router_renormalize: bool = doc(True, "MoE: top-k weights divided by their sum (Mixtral; "
+                                         "Qwen3-MoE's norm_topk_prob)")
+    router_aux_loss_coef: float = doc(0.0, "MoE: weight of the load-balancing loss (mean over "
+                                           "layers); 0: off")
+    router_z_loss_coef: float = doc(0.0, "MoE: weight of the router z-loss; 0: off")
+    router_bias_rate: float = doc(0.0, "MoE: per-step change of the selection-only expert "
+                                       "bias (DeepSeek-V3 balancing); 0: off")
+    capacity_factor: float = doc(0.0, "MoE: an expert takes at most this x its even share of "
+                                      "a device's assignments, the rest dropped; 0: dropless")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        return self.d_ff_expert or self.d_ff
 
     @property
     def dim_per_head(self) -> int:
@@ -98,7 +123,17 @@ class ModelConfig:
         """One layer's matmul weights: wq, wk, wv, wo and the gated MLP (the norms' 2 d are
         noise)."""
         d, h, k, f = self.d_model, self.dim_per_head, self.num_kv_heads, self.d_ff
-        return d * (self.num_heads + 2 * k) * h + self.num_heads * h * d + 3 * d * f
+        mlp = 3 * d * f if not self.is_moe else \
+            3 * d * self.expert_width * (self.num_experts + self.shared_experts) + d * self.num_experts
+        return d * (self.num_heads + 2 * k) * h + self.num_heads * h * d + mlp
+
+    @property
+    def active_layer_params(self) -> int:
+        """`layer_params` a token passes through: an MoE layer's top-k experts, not all."""
+        if not self.is_moe:
+            return self.layer_params
+        idle = 3 * self.d_model * self.expert_width * (self.num_experts - self.experts_per_token)
+        return self.layer_params - idle
 
 
 @dataclass(frozen=True)
@@ -107,6 +142,9 @@ class MeshConfig:
     stage: int = doc(1, "pipeline axis size (stages)")
     tensor: int = doc(2, "tensor-parallel axis size")
     seq: int = doc(1, "sequence axis size (ring attention)")
+    # MoE: the experts are split `expert` ways over the data-parallel devices, each expert
+    # shard replicated over the other data / expert (sharding.py, docs/moe.md)
+    expert: int = doc(1, "expert-parallel degree, carved out of mesh.data (divides it)")
     simulated_devices: int = doc(-1, "N > 0: N simulated CPUs; -1: 8 if no accelerator; "
                                      "0: the real devices")
     topology: str = doc("auto", "a topology in meshes/ (its name) or a path to a .yaml; "
@@ -116,7 +154,12 @@ class MeshConfig:
     allow_cross_host: bool = doc(False, "let tensor and seq span hosts")
 
     def sizes(self) -> dict[str, int]:
-        return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
+        """Mesh axis sizes; with expert parallelism, `data` is built as two axes, `data`
+        (the expert replicas) x `expert` (mesh.EXPERT)."""
+        if self.expert == 1:
+            return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
+        return {"data": self.data // self.expert if self.data > 0 else self.data,
+                "expert": self.expert, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
 
     @property
     def non_data(self) -> int:

@@ -13,6 +13,12 @@ gradients and optimizer state use:
 
 Sharding gradients over `data` turns their all-reduce into a reduce-scatter; sharding the
 parameters makes XLA all-gather each layer's weights inside the layer scan (FSDP).
+
+Expert parallelism (`expert=True`) is folded into the data-parallel devices: the mesh splits
+them as `data` x `expert`, the batch and ZeRO's `embed` take both (a dense layer sees the same
+data-parallel group either way), and the experts' dim (`experts`) takes `expert` alone, so an
+expert's weights are ZeRO-sharded over the replicas left (`expert_embed` over `data`). Without
+it `experts` is unsplit and `expert_embed` is `embed`.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .mesh import DATA, SEQ, STAGE, TENSOR
+from .mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .store import flat
 from .units import columns
 
@@ -34,12 +40,31 @@ ACTIVATION_NAMES = ("batch", "length", "res_length")  # never on a parameter
 LOGICAL_NAMES = (
     "batch", "length", "res_length", "embed", "heads", "kv_heads", "q_per_kv", "head_dim",
     "mlp", "vocab", "layers", "gate_up", "norm",
+    # MoE: an expert weight's expert dim and its d_model dim; a router's expert dim (never split)
+    "experts", "expert_embed", "routes",
 )
 
 
 def mesh_axes(axes) -> tuple:
     """A rule's value (None, one mesh axis or a tuple of them) as a tuple of mesh axes."""
     return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def flat_axes(*axes) -> tuple:
+    """Rule values (None, a mesh axis or a tuple of them) as one tuple of mesh axes."""
+    return tuple(b for a in axes for b in mesh_axes(a))
+
+
+def stack_specs(blocks, axis: str, lead: int, manual):
+    """PartitionSpecs of the stacked layers [p, <lead dims>, ...] for a shard_map manual over
+    `manual` (a pipeline's): split over the stage axis, and an expert weight's `experts` dim
+    over the expert axis where that is manual too (each device keeps its own experts)."""
+    def one(v):
+        names = v.get_metadata("axes")[1:]  # after `layers`
+        split = [EXPERT if n == "experts" and EXPERT in manual else None for n in names]
+        return P(axis, *([None] * lead), *split)
+
+    return jax.tree.map(one, blocks, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 @dataclass(frozen=True)
@@ -75,7 +100,7 @@ class Rules:
         return Rules(tuple((k, changes.get(k, v)) for k, v in self.table))
 
 
-def compute_rules(sequence_parallel: bool = False) -> Rules:
+def compute_rules(sequence_parallel: bool = False, expert: bool = False) -> Rules:
     """How activations and (ZeRO-0) parameters are laid out while the model runs.
 
     `res_length` is the sequence dim of the residual stream, where the norms run: with
@@ -83,7 +108,7 @@ def compute_rules(sequence_parallel: bool = False) -> Rules:
     row-parallel all-reduce into a reduce-scatter and gathers again before the next matmul.
     """
     return Rules((
-        ("batch", DATA),
+        ("batch", (DATA, EXPERT) if expert else DATA),
         ("length", SEQ),
         ("res_length", (SEQ, TENSOR) if sequence_parallel else SEQ),
         ("embed", None),
@@ -96,6 +121,9 @@ def compute_rules(sequence_parallel: bool = False) -> Rules:
         ("layers", STAGE),
         ("gate_up", None),
         ("norm", None),
+        ("experts", EXPERT if expert else None),
+        ("expert_embed", None),
+        ("routes", None),
     ))
 
 
@@ -140,9 +168,10 @@ class ZeroRules:
         return self._over_batch(self.grads)
 
 
-def zero_rules(zero_stage: int, sequence_parallel: bool = False) -> ZeroRules:
-    base = compute_rules(sequence_parallel)
-    sharded = base.with_(embed=DATA)
+def zero_rules(zero_stage: int, sequence_parallel: bool = False,
+               expert: bool = False) -> ZeroRules:
+    base = compute_rules(sequence_parallel, expert)
+    sharded = base.with_(embed=(DATA, EXPERT) if expert else DATA, expert_embed=DATA)
     return ZeroRules(
         compute=base,
         params=sharded if zero_stage >= 3 else base,

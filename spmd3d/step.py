@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, pipeline
+from . import attention, moe, pipeline
 from . import ops as ops_lib
 from .ops import Ops
 from .pipeline import run as pipelined
@@ -39,7 +39,7 @@ class TrainState(NamedTuple):
 
 
 def _state(plan: Plan, params, rules):
-    tx = make_optimizer(plan.cfg.optim)
+    tx = make_optimizer(plan.cfg.optim, params)
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(tx.init, params))
     shardings = TrainState(
         NamedSharding(plan.mesh, P()),
@@ -81,7 +81,7 @@ def init_fn(plan: Plan, shardings: TrainState):
     pipeline's storage order is a permutation applied after initialization.
     """
     cfg = plan.cfg
-    tx = make_optimizer(cfg.optim)
+    tx = make_optimizer(cfg.optim, abstract_model(cfg.model)[1])
 
     def init():
         model = Transformer(cfg.model, nnx.Rngs(params=cfg.train.seed))
@@ -152,7 +152,8 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
     if once:
         blocks = _gather_blocks(blocks)
     if once or not rules.params_over_batch:
-        inner, batch_axis = inner.with_(batch=None), inner["batch"]
+        # the experts' axis is one of the batch's (expert parallelism): manual inside as well
+        inner, batch_axis = inner.with_(batch=None, experts=None), inner["batch"]
     if plan.attention in attention.SPLIT:
         seq_axis = inner["length"]
         res = inner["res_length"]
@@ -297,12 +298,13 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
     The learning rate is a function of the step count held in the state, applied here: the
     optimizer's own state is then only Adam's (count and moments), whatever the schedule."""
     cfg, rules, mesh = plan.cfg, plan.rules, plan.mesh
-    tx = make_optimizer(cfg.optim)
+    tx = make_optimizer(cfg.optim, shardings.params)
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
     grads_and_loss = make_grad_fn(plan, graphdef)
 
     def train_step(state: TrainState, tokens):
         loss, grads = grads_and_loss(state.params, tokens)
+        stats, grads = moe.split_stats(grads) if cfg.model.is_moe else (None, grads)
         grad_norm = optax.tree.norm(grads)
         # ZeRO-1+: each data shard updates only its slice of the moments and the weights
         grads = jax.lax.with_sharding_constraint(grads, shardings_for(grads, rules.opt, mesh))
@@ -310,6 +312,12 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
         lr = lr_at(state.step)
         params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if stats is not None:  # the router's state: statistics out, the bias by its own rule
+            metrics.update(moe.step_metrics(stats, plan.active))
+            bias = state.params["blocks"]["mlp"]["bias"]
+            params["blocks"]["mlp"]["bias"] = bias.replace(
+                moe.update_bias(bias[...], stats, cfg.model.router_bias_rate))
+            params["blocks"]["mlp"]["probe"] = state.params["blocks"]["mlp"]["probe"]
         return TrainState(state.step + 1, params, opt), metrics
 
     return jax.jit(train_step, in_shardings=(shardings, plan.batch_sharding),

@@ -2,6 +2,7 @@
 and Qwen3-MoE's (with and without `norm_topk_prob`), on the same hidden states and router
 weights."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,3 +71,103 @@ def test_balancing_terms_at_their_bounds():
     _, chosen = moe.route(skewed, K)
     assert float(moe.load_balancing_loss(skewed, chosen)) == pytest.approx(E, rel=1e-4)
     assert float(moe.z_loss(jnp.full((T, E), 2.0))) == pytest.approx((2.0 + np.log(E)) ** 2)
+
+
+# --------------------------------------------------------------------------- the layer's pieces
+def test_grouped_experts_equal_a_loop_over_experts():
+    """Sorted by expert, two grouped matmuls, put back: each token's weighted sum of its
+    experts' SwiGLU outputs, as a plain loop computes it; with the experts split in two
+    halves (expert parallelism), the halves' outputs add up to the whole."""
+    rng = np.random.default_rng(3)
+    n, d, f = 12, 8, 6
+    x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
+    gate_up = jnp.asarray(rng.normal(size=(E, d, 2, f)).astype(np.float32))
+    down = jnp.asarray(rng.normal(size=(E, f, d)).astype(np.float32))
+    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)), K)
+    want = np.zeros((n, d), np.float32)
+    for t in range(n):
+        for j in range(K):
+            e = int(experts[t, j])
+            h = np.asarray(x[t] @ gate_up[e, :, 0]), np.asarray(x[t] @ gate_up[e, :, 1])
+            a = h[0] / (1 + np.exp(-h[0])) * h[1]
+            want[t] += float(weights[t, j]) * (a @ np.asarray(down[e]))
+    got = moe.grouped_ffn(x, gate_up, down, weights, experts)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    half = E // 2
+    parts = [moe.grouped_ffn(x, gate_up[i * half:(i + 1) * half], down[i * half:(i + 1) * half],
+                             weights, experts, first=i * half) for i in (0, 1)]
+    np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_buffers_equal_dropless_with_room_and_drop_second_choices_first():
+    rng = np.random.default_rng(5)
+    n, d, f = 12, 8, 6
+    x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
+    gate_up = jnp.asarray(rng.normal(size=(E, d, 2, f)).astype(np.float32))
+    down = jnp.asarray(rng.normal(size=(E, f, d)).astype(np.float32))
+    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)), K)
+    want = moe.grouped_ffn(x, gate_up, down, weights, experts)
+    room = moe.capacity(E / K, n * K, E)  # the factor E / k: an expert could take every token
+    slot, dropped = moe.slots(experts, 0, E, room)
+    assert room == n and float(dropped) == 0.0
+    got = moe.capacity_ffn(x, gate_up, down, weights, slot, room)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # every token's first choice expert 0, second expert 1..: one slot each keeps token 0's
+    crowded = jnp.asarray([[0, 1 + t % (E - 1)] for t in range(n)], jnp.int32)
+    slot, dropped = moe.slots(crowded, 0, E, 1)
+    slot = np.asarray(slot)
+    assert slot[0, 0] == 0 and (slot[1:, 0] == -1).all()  # expert 0: token 0 only
+    assert float(dropped) == np.sum(slot == -1)
+    # a second choice never takes a slot a first choice wanted: expert 1 is token 0's second
+    # choice and token 7's too; token 0 (earlier) keeps it
+    assert slot[0, 1] == 1 * 1 + 0 and slot[7, 1] == -1
+    # with experts split in two, each half's slots are its own
+    slot, _ = moe.slots(experts, E // 2, E // 2, room)
+    assert ((np.asarray(slot) >= 0) == (np.asarray(experts) >= E // 2)).all()
+
+
+def _hand_objective(logits, experts, aux_weight, z_weight):
+    """What `balanced` adds to the loss, written out for one microbatch on one device: aux
+    weight x T x the balancing loss (the assignment shares held constant) + z weight x the
+    tokens' summed squared log-sum-exp."""
+    t, e = logits.shape
+    share = moe.expert_load(experts, e) / t
+    probs = jax.nn.softmax(logits, axis=-1)
+    aux = e * jnp.sum(share * jnp.mean(probs, axis=0))
+    return aux_weight * t * aux + z_weight * jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+
+def test_balancing_gradients_and_statistics_are_the_hand_computation():
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.normal(size=(T, E)).astype(np.float32))
+    cotangent = jnp.asarray(rng.normal(size=(T, E)).astype(np.float32))
+    experts = moe.choose(logits, K)
+    how, probe = (0.01, 0.001, ()), jnp.zeros((moe.stats_size(E),))
+    g_logits, g_probe = jax.grad(lambda l, p: jnp.sum(
+        moe.balanced(l, p, experts, 0.0, how) * cotangent), (0, 1))(logits, probe)
+    want = cotangent + jax.grad(_hand_objective)(logits, experts, 0.01, 0.001)
+    np.testing.assert_allclose(np.asarray(g_logits), np.asarray(want), rtol=1e-5, atol=1e-7)
+    load = np.asarray(moe.expert_load(experts, E))
+    lse = np.asarray(jax.nn.logsumexp(logits, axis=-1))
+    aux = float(moe.load_balancing_loss(logits, experts))  # transformers' (test above)
+    np.testing.assert_allclose(np.asarray(g_probe),
+                               [*load, aux * T, float(np.sum(lse ** 2)), 0.0], rtol=1e-5)
+    # a zero cotangent (a lockstep pipeline's bubble) gives zero, as a linear backward does
+    g_logits, g_probe = jax.grad(lambda l, p: jnp.sum(
+        moe.balanced(l, p, experts, 0.0, how) * 0.0), (0, 1))(logits, probe)
+    assert not np.any(np.asarray(g_logits)) and not np.any(np.asarray(g_probe))
+
+
+def test_bias_rule_and_step_metrics_by_hand():
+    loads = np.array([[4.0, 1.0, 2.0, 1.0], [2.0, 2.0, 2.0, 2.0]], np.float32) / 4  # per token
+    stats = np.concatenate([loads, [[2.5, 7.0, 0.0], [1.5, 5.0, 0.0]]], axis=1)
+    bias = moe.update_bias(jnp.zeros((2, 4)), jnp.asarray(stats), 0.01)
+    np.testing.assert_allclose(np.asarray(bias), [[-0.01, 0.01, 0.0, 0.01], [0, 0, 0, 0]])
+    m = moe.step_metrics(jnp.asarray(stats))
+    assert float(m["moe_aux_loss"]) == pytest.approx(2.0)
+    assert float(m["moe_z_loss"]) == pytest.approx(6.0)
+    assert float(m["moe_imbalance"]) == pytest.approx(2.0)  # layer 0: 1.0 over a mean of 0.5
+    assert float(m["moe_dropped"]) == 0.0
+    # padding layers (uneven stages) are left out
+    m = moe.step_metrics(jnp.asarray(stats), active=(False, True))
+    assert float(m["moe_imbalance"]) == pytest.approx(1.0)

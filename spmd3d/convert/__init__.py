@@ -1,7 +1,8 @@
-"""Hugging Face LLaMA directories in and out of run directories (`python -m spmd3d.convert
-import|export` is the command, `__main__.py`).
+"""Hugging Face directories in and out of run directories (`python -m spmd3d.convert
+import|export` is the command, `__main__.py`): LLaMA, Mistral and Qwen3, and the MoE families
+Mixtral and Qwen3-MoE.
 
-Import reads a transformers LLaMA directory (`hf.py` maps its config and weights) into a run
+Import reads a transformers directory (`hf.py` maps its config and weights) into a run
 directory that `python -m spmd3d.train RUN_DIR/config.yaml` fine-tunes on any mesh: a step-0
 checkpoint in the canonical [L, ...] layout (fresh optimizer state), `config.yaml` (the model's
 fields from `config.json`, the rest from `--config` and the overrides) and `hf/` (the original
@@ -14,7 +15,8 @@ a host holds at most its own shards of one weight plus one layer, never the mode
 Export reads a checkpoint one weight at a time (a host holds the largest stacked weight,
 e.g. 15 GB for LLaMA-3 8B's MLP in fp32) and writes `config.json` and safetensors files
 (`--max-shard-gb` each, with the index transformers reads when there are several) that
-`transformers.LlamaForCausalLM.from_pretrained` loads as they are.
+transformers' `from_pretrained` loads as they are (`LlamaForCausalLM`, `Qwen3ForCausalLM`,
+`MixtralForCausalLM` or `Qwen3MoeForCausalLM`, by `hf.family`).
 """
 
 from __future__ import annotations
@@ -49,13 +51,13 @@ def load_params(hf_dir: str | Path, cfg, target):
     """The parameters of `HF_DIR` as `target` (the abstract params, canonical layer order, every
     leaf a ShapeDtypeStruct with its sharding) says: a pytree of jax Arrays."""
     from .. import store
-    from ..hf import WEIGHTS, Reader
+    from ..hf import Reader, weights
 
-    reader = Reader(hf_dir)
+    reader, conversions = Reader(hf_dir), weights(cfg.model)
     entries = store.flat(target)
-    missing = set(entries) - {w.key for w in WEIGHTS}
+    missing = set(entries) - {w.key for w in conversions}
     assert not missing, f"no conversion for {sorted(missing)}"
-    arrays = {w.key: _place(reader, w, cfg.model, entries[w.key]) for w in WEIGHTS}
+    arrays = {w.key: _place(reader, w, cfg.model, entries[w.key]) for w in conversions}
     return store.unflat(target, arrays)
 
 
@@ -126,7 +128,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None
     target = store.abstract_like(abstract, shardings)
     params = load_params(hf_dir, cfg, target.params)
     with jax.set_mesh(plan.mesh):
-        opt = jax.jit(make_optimizer(cfg.optim).init, out_shardings=shardings.opt)(params)
+        opt = jax.jit(make_optimizer(cfg.optim, params).init, out_shardings=shardings.opt)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     state = TrainState(step, params, opt)
     if jax.process_index() == 0:
@@ -151,7 +153,7 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
     import numpy as np
 
     from .. import checkpoint
-    from ..hf import WEIGHTS, Writer, hf_config
+    from ..hf import HFError, Writer, exportable, hf_config, weights
 
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)
     if hf_dir.exists() and any(hf_dir.iterdir()):
@@ -159,10 +161,14 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
     meta = checkpoint.read_meta(run_dir, step)
     cfg = config_lib.override(Config(), **meta["config"])
+    exportable(cfg.model)
     writer = Writer(hf_dir, max_bytes)
-    for w in WEIGHTS:
+    for w in weights(cfg.model):
         value = np.asarray(checkpoint.read(run_dir, [f"params/{w.key}"], meta["step"])[0]
                            [f"params/{w.key}"])
+        if w.key == "blocks/mlp/bias" and np.any(value):
+            raise HFError("model.router_bias_rate", "trained a selection bias for the experts, "
+                          "which no transformers family holds: the export would route otherwise")
         for layer in (range(value.shape[0]) if w.stacked else [None]):
             part = value if layer is None else value[layer]
             for name, t in zip(w.hf_names(layer), w.to_hf(part, cfg.model)):

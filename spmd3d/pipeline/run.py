@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..manual import psum, select, store_if, unroll, vary, varying
+from ..sharding import flat_axes as _flat, stack_specs
 from .table import BACKWARD, END, FORWARD, FULL, IDLE, OP, WEIGHT, Table
 from .worker import Worker, head_grads
 
@@ -97,8 +98,7 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
     def per_stage(chunks, x_in, consts):
         # chunks[1, v, c, ...]: this stage's v chunks; x_in[1, mb, n, T, D]: its microbatches
         chunks, x_in = jax.tree.map(lambda a: a[0], chunks), x_in[0]
-        varying_axes = tuple(a for a in (batch_axis, seq_axis) if a is not None)
-        chunks = jax.tree.map(lambda a: vary(a, varying_axes), chunks)
+        chunks = jax.tree.map(lambda a: vary(a, _flat(batch_axis, seq_axis)), chunks)
         s = jax.lax.axis_index(axis)
 
         def tick(carry, t):
@@ -123,8 +123,9 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
         return out[None]
 
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
-    manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
-    return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), buffer, P(None, seq_axis)),
+    manual = set(_flat(axis, batch_axis, seq_axis))
+    specs = stack_specs(chunks, axis, 2, manual)
+    return jax.shard_map(per_stage, mesh=mesh, in_specs=(specs, buffer, P(None, seq_axis)),
                          out_specs=buffer, axis_names=manual)(chunks, x_in, consts)
 
 
@@ -184,7 +185,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     depth = jax.tree.leaves(blocks)[0].shape[0] // (p * v)  # layers per chunk
     ahead, back = rings(p)
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v * depth))
-    manual = tuple(a for a in (axis, batch_axis, seq_axis) if a is not None)
+    manual = _flat(axis, batch_axis, seq_axis)
     others = tuple(a for a in manual if a != axis)
     cut = table.mode == "switch"  # the backward split into B and W
     ops, ends = jnp.asarray(table.ops), jnp.asarray(table.ends)
@@ -193,6 +194,8 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
         # stack[1, v * depth, ...]: this stage's layers; x_in[1, mb, n, T, D]: its microbatches
         stack, x_in = jax.tree.map(lambda a: a[0], stack), x_in[0]
         s = jax.lax.axis_index(axis)
+        # the stage axis, and the experts' where they are split over it
+        own = jax.tree.map(lambda a: varying(jax.typeof(a)) | {axis}, stack)
         # device-varying before the loop: each slot's gradients stay local, summed once after
         stack = jax.tree.map(lambda a: vary(a, others), stack)
         head = jax.tree.map(lambda a: vary(a, manual), head)
@@ -347,38 +350,29 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
         for begin, stop, lanes_on, head_on in table.phases():
             state = jax.lax.scan(partial(slot, lanes_on=lanes_on, head_on=head_on or cut),
                                  state, jnp.arange(begin, stop), unroll=unroll())[0]
-        return stage_results(*state.sums, state.belts.kept, manual, axis)
+        return stage_results(*state.sums, state.belts.kept, manual, axis, own)
 
-    return run_stages(per_stage, blocks, head, x_in, labels, consts, axis, mesh, batch_axis,
-                      seq_axis)
-
-
-def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str):
-    """What the per-stage function returns, its sums done: the stage's layer gradients summed
-    over the manual axes but the stage's (once, after the loop), the loss and head gradients
-    over all of them."""
-    others = tuple(a for a in manual if a != axis)
-    g_stack = psum(g_stack, others) if others else g_stack
-    return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-            psum(g_head, manual), dx_out[None])
-
-
-def run_stages(per_stage, blocks, head, x_in, labels, consts, axis: str, mesh, batch_axis,
-               seq_axis):
-    """(summed loss, (block grads, head grads, input grads)): `per_stage(stack, head, x_in,
-    labels, consts)` in a shard_map manual over `axis` (and `batch_axis`, `seq_axis` where
-    given), each stage given its [L/p, ...] share of `blocks` in storage order and its share
-    of the x_in[p, mb, n, T, D] buffers; gradients cast back to the parameters' dtypes."""
-    p = mesh.shape[axis]
+    # each stage gets its [L/p, ...] share of `blocks` (storage order) and of the buffers
     stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
-    manual = {a for a in (axis, batch_axis, seq_axis) if a is not None}
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
+    specs = stack_specs(stacks, axis, 1, manual)
     total, g_stack, g_head, dx = jax.shard_map(
-        per_stage, mesh=mesh, axis_names=manual,
-        in_specs=(P(axis), P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
-        out_specs=(P(), P(axis), P(), buffer))(stacks, head, x_in, labels, consts)
+        per_stage, mesh=mesh, axis_names=set(manual),
+        in_specs=(specs, P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
+        out_specs=(P(), specs, P(), buffer))(stacks, head, x_in, labels, consts)
+    # gradients cast back to the parameters' dtypes
     g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
     return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)
+
+
+def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, split):
+    """What the per-stage function returns, its sums done: the stage's layer gradients summed
+    over the manual axes but the stage's and those a weight is `split` over (once, after the
+    loop), the loss and head gradients over all of them."""
+    g_stack = jax.tree.map(lambda g, own: psum(g, tuple(a for a in manual if a not in own)),
+                           g_stack, split)
+    return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
+            psum(g_head, manual), dx_out[None])
 
 
 def loss_and_grads(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *,

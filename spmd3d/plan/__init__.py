@@ -23,7 +23,7 @@ import numpy as np
 
 from ..attention import choose
 from ..config import Config, ConfigError, compute_dtype, resolve_mesh
-from ..mesh import AXES, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
+from ..mesh import Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
 from ..pipeline import Schedule, layer_order
 from ..ring import zigzag_order
 from ..sharding import ZeroRules, zero_rules
@@ -118,7 +118,7 @@ class Plan:
         zero = 2 if par.zero_stage == 1 and accum > 1 else par.zero_stage
         return cls(
             cfg=cfg, mesh=mesh, topology=topology,
-            rules=zero_rules(zero, par.sequence_parallel),
+            rules=zero_rules(zero, par.sequence_parallel, expert=m.expert > 1),
             schedule=schedule,
             accum_steps=accum,
             layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
@@ -147,7 +147,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return int(np.prod([self.mesh.shape[a] for a in AXES]))
+        return int(np.prod(list(self.mesh.shape.values())))
 
     @property
     def microbatches(self) -> int:
@@ -185,7 +185,10 @@ class Plan:
         """The layout in a few lines: mesh, ZeRO, SP, remat and the pipeline schedule."""
         par = self.cfg.parallel
         sharded = self.rules.grads_over_batch and par.zero_stage < 2  # ZeRO-1 accumulating
-        lines = [f"mesh {dict(self.mesh.shape)}, ZeRO-{par.zero_stage}"
+        m = self.cfg.mesh
+        experts = (f" (the data devices as data {self.mesh.shape['data']} x expert "
+                   f"{m.expert}: the experts split {m.expert} ways)" if m.expert > 1 else "")
+        lines = [f"mesh {dict(self.mesh.shape)}{experts}, ZeRO-{par.zero_stage}"
                  f"{' (gradients accumulated sharded)' if sharded else ''}, "
                  f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"]
         if self.schedule:

@@ -9,6 +9,9 @@ compiled side; `plan --compile` prints both.
 
 from __future__ import annotations
 
+import math
+
+from ..mesh import data_degree
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, tokens_per_pass)
 from ..units import gb
@@ -41,14 +44,14 @@ def flops(plan) -> dict:
     m, t, remat = cfg.model, cfg.train.seq_len, cfg.parallel.remat
     tokens = cfg.train.global_batch * t / n
     keys = 0.5 * t if plan.attention in ("cudnn", "ring", "gather") else _keys_per_query(plan)
-    matmul_fwd = 2 * m.num_layers * m.layer_params  # per token, one forward of the layers
+    matmul_fwd = 2 * m.num_layers * m.active_layer_params  # per token, one forward of the layers
     attention_fwd = 4 * m.num_layers * m.num_heads * m.dim_per_head * keys
     redo = redone(plan)  # save_dots keeps the matmuls' results, not the scores
     redo_attention = redo + (1 if remat == "save_dots" else 0)
     # lockstep schedules: every stage computes at every tick; ZB-H1's idle slots compute nothing
     stretch = s.flops_ratio if s is not None else 1.0
     layers_m, layers_a = matmul_fwd * (3 + redo) * stretch, attention_fwd * (3 + redo_attention) * stretch
-    head = 6 * (matmul_params(m) - m.num_layers * m.layer_params)
+    head = 6 * (matmul_params(m) - m.num_layers * m.active_layer_params)
     return {"model": flops_per_token(m, t) * tokens, "matmul": (layers_m + head) * tokens,
             "attention": layers_a * tokens,
             "recompute_matmul": matmul_fwd * redo * stretch * tokens,
@@ -59,15 +62,15 @@ def flops(plan) -> dict:
 
 def _crosses_nodes(plan) -> dict:
     """{mesh axis: whether its groups span nodes} on the plan's topology."""
-    from ..mesh import AXES, split_over_hosts
+    from ..mesh import axis_names, split_over_hosts
 
     topo, sizes = plan.topology, dict(plan.mesh.shape)
-    total = plan.num_devices
+    total, names = plan.num_devices, axis_names(sizes)
     if total <= topo.devices_per_node or total % topo.devices_per_node:
-        return {a: False for a in AXES}
+        return {a: False for a in names}
     _, outer = split_over_hosts(sizes, topo.devices_per_node, total // topo.devices_per_node,
                                 True)
-    return {a: o > 1 for a, o in zip(AXES, outer)}
+    return {a: o > 1 for a, o in zip(names, outer)}
 
 
 # a ring algorithm's bytes sent per device, per byte counted (k: the devices of the group)
@@ -85,19 +88,20 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     again, and the compiler's quirks (`quirks.py`)."""
     cfg, s, mesh = plan.cfg, plan.schedule, dict(plan.mesh.shape)
     m, par, rules = cfg.model, cfg.parallel, plan.rules
-    d, p, t, q = mesh["data"], mesh["stage"], mesh["tensor"], mesh["seq"]
+    d, p, t, q = data_degree(mesh), mesh["stage"], mesh["tensor"], mesh["seq"]
+    batch = ("data", "expert")  # the batch's axes (`expert`: under expert parallelism)
     c, w, n = itemsize(m.dtype), Widths.of(plan), tokens_per_pass(plan)
     pb, sp = itemsize(m.param_dtype), par.sequence_parallel and t > 1
     remat = "full" if par.remat == "stage" else par.remat  # the per-layer policy
     micro = plan.microbatches
     stored = len(plan.layer_order) // (s.stages if s else 1)  # layers stored on a device
     chunk = stored // (s.repeats if s else 1)
-    rows_split = ("data", "stage") if s else ("data",)  # what splits the embedding's rows
+    rows_split = batch + (("stage",) if s else ())  # what splits the embedding's rows
     tokens = cfg.train.global_batch * cfg.train.seq_len // (d * q * (p if s else 1))
     items = []
 
     def add(what, kind, axes, nbytes, times=1):
-        axes = tuple(a for a in axes if mesh[a] > 1)
+        axes = tuple(a for a in axes if mesh.get(a, 1) > 1)
         if axes and nbytes and times:
             items.append((what, kind, axes, float(nbytes) * times))
 
@@ -130,6 +134,20 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     if sp:
         add("final norm gathered", "gather", ("tensor",), head_tokens * m.d_model * c)
         add("embedding cotangent gathered", "gather", ("tensor",), tokens * m.d_model * F32)
+
+    # expert: an MoE layer all-gathers its tokens (with their choices: k weights and ids) over
+    # `expert` and reduce-scatters the outputs back; the backward runs the transposes
+    ep = mesh.get("expert", 1)
+    if m.is_moe and ep > 1:
+        gathered = ep * n * m.d_model * c
+        choices = ep * n * m.experts_per_token * (F32 + 4)
+        add("tokens to the experts", "gather", ("expert",), gathered + choices,
+            fwd + restage + bwd * (remat != "none"))
+        add("experts' outputs back", "reduce-scatter", ("expert",), gathered,
+            fwd + restage + bwd * (remat != "none"))
+        add("tokens' gradients back", "reduce-scatter", ("expert",),
+            gathered + ep * n * m.experts_per_token * F32, bwd)
+        add("outputs' gradients to the experts", "gather", ("expert",), gathered, bwd)
 
     # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
     # shift is the backward's), and K, V with their fp32 gradients n times in the backward
@@ -167,23 +185,25 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         return sum(shard_size(*shapes[k], table, mesh) for k in keys)
 
     blocks = [k for k in shapes if k.startswith("blocks/")]
-    matmuls = [k for k in blocks if "norm" not in k]
-    norms = [k for k in blocks if "norm" in k]
-    layer_bytes = (size(matmuls, rules.compute) * (F32 if s else c)
-                   + size(norms, rules.compute) * F32)
-    add("layer gradients", "reduce-scatter" if sharded else "reduce", ("data",), layer_bytes,
-        times)
-    # over seq after data when the gradients are sharded: the data shard only (a pipeline's
-    # shard_map sums the stage's whole gradient over data and seq at once)
-    add("layer gradients", "reduce", ("seq",), layer_bytes / (d if sharded and s is None else 1),
-        times)
+    experts = [k for k in blocks if "experts" in shapes[k][1]]  # split over `expert` already
+    fp32 = [k for k in blocks if "norm" in k or k.endswith(("router", "mlp/bias", "mlp/probe"))]
+    for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, ("data",))):
+        layer_bytes = (size([k for k in keys if k not in fp32], rules.compute) * (F32 if s else c)
+                       + size([k for k in keys if k in fp32], rules.compute) * F32)
+        group = math.prod(mesh.get(a, 1) for a in axes)
+        add("layer gradients", "reduce-scatter" if sharded else "reduce", axes, layer_bytes,
+            times)
+        # over seq after data when the gradients are sharded: the data shard only (a
+        # pipeline's shard_map sums the stage's whole gradient over data and seq at once)
+        add("layer gradients", "reduce", ("seq",),
+            layer_bytes / (group if sharded and s is None else 1), times)
     add("head gradient", "reduce", rows_split + ("seq",),
         size(["head"], rules.compute) * F32 + m.d_model * F32, times)
     embed = size(["embed"], rules.compute) * F32
     if sharded and t == 1 and applies("lookup_moves_cotangents"):
-        add("embedding cotangents", "all-to-all", ("data",), n * m.d_model * F32,
+        add("embedding cotangents", "all-to-all", batch, n * m.d_model * F32,
             plan.accum_steps)
-        add("embedding ids", "gather", ("data",), n * d * 4, plan.accum_steps)
+        add("embedding ids", "gather", batch, n * d * 4, plan.accum_steps)
         add("embedding gradient", "reduce", rows_split[1:] + ("seq",), embed, times)
     else:
         add("embedding gradient", "reduce", rows_split + ("seq",), embed, times)
@@ -193,13 +213,13 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # embedding and head once, or with a pipeline the stage's layers once per step
     state = state_bytes(plan)
     if rules.opt["embed"] is not None and rules.params["embed"] is None:
-        add("updated parameters", "gather", ("data",), state["parameters"])
+        add("updated parameters", "gather", batch, state["parameters"])
     if rules.params["embed"] is not None:
         whole = size(blocks, rules.compute) * pb
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
-        add("layers gathered (ZeRO-3)", "gather", ("data",), whole, uses)
-        add("embedding and head gathered (ZeRO-3)", "gather", ("data",),
+        add("layers gathered (ZeRO-3)", "gather", batch, whole, uses)
+        add("embedding and head gathered (ZeRO-3)", "gather", batch,
             size(["embed", "head", "final_norm/scale"], rules.compute) * pb)
     return items
 

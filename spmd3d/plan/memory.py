@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..mesh import data_degree
 from . import residuals
 from .quirks import applies
 
@@ -47,11 +48,29 @@ def param_shapes(m: ModelConfig, layers: int) -> dict:
         "mlp/w_gate_up": ((d, 2, f), ("embed", "gate_up", "mlp")),
         "mlp/w_down": ((f, d), ("mlp", "embed")),
     }
+    if m.qk_norm:
+        stacked.update({f"attn/{n}": ((h,), ("head_dim",)) for n in ("q_norm", "k_norm")})
+    if m.is_moe:  # model.MoE's: the router, the experts stacked [E, ...], the router state
+        e, fe, shared = m.num_experts, m.expert_width, m.shared_experts * m.expert_width
+        del stacked["mlp/w_gate_up"], stacked["mlp/w_down"]
+        stacked.update({
+            "mlp/router": ((d, e), ("embed", "routes")),
+            "mlp/w_gate_up": ((e, d, 2, fe), ("experts", "expert_embed", "gate_up", "mlp")),
+            "mlp/w_down": ((e, fe, d), ("experts", "mlp", "expert_embed")),
+            **{key: (shape, ("routes",)) for key, shape in ROUTER_STATE(e).items()}})
+        if shared:
+            stacked.update({"mlp/shared/w_gate_up": ((d, 2, shared), ("embed", "gate_up", "mlp")),
+                            "mlp/shared/w_down": ((shared, d), ("mlp", "embed"))})
     out = {"embed": ((v, d), ("vocab", "embed"))}
     out.update({f"blocks/{key}": ((layers, *shape), ("layers", *names))
                 for key, (shape, names) in stacked.items()})
     out.update({"final_norm/scale": ((d,), ("norm",)), "head": ((d, v), ("embed", "vocab"))})
     return out
+
+
+def ROUTER_STATE(e: int) -> dict:  # noqa: N802 -- a table, by expert count
+    """The MoE layer's router state (`moe.RouterState`): parameters the optimizer skips."""
+    return {"mlp/bias": (e,), "mlp/probe": (e + 3,)}
 
 
 def _axes(rule) -> tuple:
@@ -73,11 +92,13 @@ def state_bytes(plan) -> dict:
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
     pbytes = itemsize(plan.cfg.model.param_dtype)
 
-    def total(table, size):
-        return sum(shard_size(s, n, table, mesh) for s, n in shapes.values()) * size
+    def total(table, size, trained=False):
+        return sum(shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
+                   if not (trained and k.endswith(("mlp/bias", "mlp/probe")))) * size
 
     return {"parameters": total(rules.params, pbytes),
-            "optimizer_state": 2 * total(rules.opt, pbytes) + 4,  # two moments and a count
+            # two moments and a count, for the trained parameters
+            "optimizer_state": 2 * total(rules.opt, pbytes, trained=True) + 4,
             "gradients": total(rules.grads, F32)}
 
 
@@ -105,7 +126,7 @@ def layer_weights(plan) -> int:
     in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
     compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
     rules = plan.rules
-    if plan.schedule is not None or plan.mesh.shape["data"] == 1 or not rules.grads_over_batch:
+    if plan.schedule is not None or data_degree(plan.mesh.shape) == 1 or not rules.grads_over_batch:
         return 0
     c = itemsize(plan.cfg.model.dtype)
     layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
@@ -121,7 +142,7 @@ def working_terms(plan) -> dict:
     cfg, mesh = plan.cfg, plan.mesh.shape
     t, m = cfg.train, cfg.model
     micro = plan.microbatches
-    rows = t.global_batch // micro // mesh["data"]
+    rows = t.global_batch // micro // data_degree(mesh)
     row = rows * t.seq_len // mesh["seq"]  # tokens of one microbatch on a device
     buffers, tokens = 0, row
     if plan.schedule:  # the stage's input and output slots, two belts and the inboxes
@@ -167,7 +188,7 @@ def tokens_per_pass(plan) -> int:
     """Tokens of one microbatch on one device."""
     cfg, mesh = plan.cfg, plan.mesh.shape
     micro = plan.microbatches
-    return cfg.train.global_batch // micro // mesh["data"] * cfg.train.seq_len // mesh["seq"]
+    return cfg.train.global_batch // micro // data_degree(mesh) * cfg.train.seq_len // mesh["seq"]
 
 
 def activation_bytes(plan) -> dict:
@@ -233,13 +254,13 @@ def memory(plan) -> dict:
                       mesh) * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
     # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
-    sharded = plan.rules.grads_over_batch and mesh["data"] > 1
+    sharded = plan.rules.grads_over_batch and data_degree(mesh) > 1
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0)
     kinds["layer_weights"] = layer_weights(plan)
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
-    if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and mesh["data"] > 1
+    if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and data_degree(mesh) > 1
             and c < F32 and applies("head_gradient_fp32_copy")):
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0

@@ -34,20 +34,21 @@ from dataclasses import dataclass, replace
 REMATS = ("none", "save_dots", "full")
 
 
-def _as_the_step():
+def _as_the_step(ep: int = 1):
     """The context the step traces its layers in: activation rules active (on a mesh of one
-    device per axis), so the layer's sharding constraints and its weights' relayouts are the
-    step's own values (a constrained copy is a value the backward may keep)."""
+    device per axis, but `ep` over `expert` for expert parallelism), so the layer's sharding
+    constraints and its weights' relayouts are the step's own values (a constrained copy is a
+    value the backward may keep)."""
     from contextlib import ExitStack
 
     import jax
-    from jax.sharding import AbstractMesh
 
-    from ..mesh import AXES
+    from ..mesh import EXPERT, abstract_mesh
     from ..sharding import activation_rules, zero_rules
+    sizes = {"data": 1, "stage": 1, "tensor": 1, "seq": 1, **({EXPERT: ep} if ep > 1 else {})}
     stack = ExitStack()
-    stack.enter_context(jax.sharding.use_abstract_mesh(AbstractMesh((1,) * len(AXES), AXES)))
-    stack.enter_context(activation_rules(zero_rules(0, False).compute, None))
+    stack.enter_context(jax.sharding.use_abstract_mesh(abstract_mesh(sizes)))
+    stack.enter_context(activation_rules(zero_rules(0, False, expert=ep > 1).compute, None))
     return stack
 
 
@@ -83,14 +84,17 @@ class LayerBytes:
 def of(plan) -> LayerBytes:
     """The plan's layer on one device (see the module's docstring)."""
     m, mesh = plan.cfg.model, plan.mesh.shape
-    t, seq = mesh["tensor"], mesh["seq"]
+    t, seq, ep = mesh["tensor"], mesh["seq"], mesh.get("expert", 1)
     local = replace(m, num_layers=1, vocab_size=8, num_heads=m.num_heads // t,
-                    num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t)
-    return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq)
+                    num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t,
+                    d_ff_expert=m.expert_width // t)
+    return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq, ep)
 
 
 @functools.lru_cache(maxsize=256)
-def _trace(m, tokens: int, kernel: str, seq: int) -> LayerBytes:
+def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1) -> LayerBytes:
+    """Per device; under expert parallelism the layer is traced on `ep` devices over
+    `expert` (its MoE block gathers their tokens) and its values' bytes divided by `ep`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -114,18 +118,18 @@ def _trace(m, tokens: int, kernel: str, seq: int) -> LayerBytes:
     ops = Ops(attend)
 
     def x(rows):
-        return jax.ShapeDtypeStruct((rows, tokens, m.d_model), jnp.dtype(m.dtype))
+        return jax.ShapeDtypeStruct((rows * ep, tokens, m.d_model), jnp.dtype(m.dtype))
 
     def residuals(policy, rows):
         layer = model.layer(policy, ops)
-        with _as_the_step():
+        with _as_the_step(ep):
             closed = jax.make_jaxpr(lambda p, x: jax.vjp(lambda p, x: layer(p, x, rope), p,
                                                          x)[1], axis_env=env)(params, x(rows))
         return _describe(closed.jaxpr)
 
     def per_token(policy):
         one, two = residuals(policy, 1), residuals(policy, 2)
-        return tuple(Residual((b - a.nbytes) / tokens, a.stream, a.select)
+        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
 
     def taps(rows):
@@ -135,12 +139,14 @@ def _trace(m, tokens: int, kernel: str, seq: int) -> LayerBytes:
             nnx.merge(nnx.graphdef(model.blocks), p)(x, *rope, tapped)
             return tapped.inputs, tapped.outputs
 
-        ins, outs = jax.make_jaxpr(run, axis_env=env, return_shape=True)(params, x(rows))[1]
+        with _as_the_step(ep):
+            ins, outs = jax.make_jaxpr(run, axis_env=env, return_shape=True)(params, x(rows))[1]
         size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
         return size(ins), size(outs)
 
     (i1, o1), (i2, o2) = taps(1), taps(2)
-    return LayerBytes({p: per_token(p) for p in REMATS}, (i2 - i1) / tokens, (o2 - o1) / tokens)
+    per = tokens * ep
+    return LayerBytes({p: per_token(p) for p in REMATS}, (i2 - i1) / per, (o2 - o1) / per)
 
 
 def _stream_scopes() -> frozenset:
