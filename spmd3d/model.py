@@ -11,6 +11,8 @@ layout) and run with `lax.scan`: one compiled block, whatever the depth.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -160,8 +162,6 @@ class MoE(nnx.Module):
     PROJECTIONS: dict = {}  # none tapped for ZB-H1: the experts' gradients come with B
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        from dataclasses import replace
-
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_width
         self.dtype, self.cfg = cfg.dtype, cfg
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -172,7 +172,7 @@ class MoE(nnx.Module):
                              cfg.param_dtype)
         self.bias = moe.RouterState(jnp.zeros((e,), jnp.float32), axes=("routes",))
         self.probe = moe.RouterState(jnp.zeros((moe.stats_size(e),), jnp.float32), axes=("routes",))
-        self.shared = (MLP(replace(cfg, d_ff=cfg.shared_experts * f), rngs)
+        self.shared = (MLP(dataclasses.replace(cfg, d_ff=cfg.shared_experts * f), rngs)
                        if cfg.shared_experts else None)
 
     def __call__(self, x_btd, ops: Ops | None = None):

@@ -1,5 +1,7 @@
-"""Mixture-of-Experts routing: which experts each token goes to, with what weight, and the
-balancing terms a router is trained with.
+"""Mixture-of-Experts, all but the parameters (`model.MoE` holds those): which experts each
+token goes to and with what weight, the balancing terms a router is trained with, the layer's
+compute on the mesh (`experts_layer`) and the step's side of the router state (statistics, the
+bias rule). docs/moe.md has the design.
 
 Conventions of the models we import, in fp32 whatever the compute dtype (a router's logits
 decide discrete choices; bf16 ties and flips them):

@@ -87,7 +87,7 @@ def test_export_reloads_every_tensor_equal(models, name, tmp_path):
 
 @pytest.mark.parametrize("case,blamed", [
     ("deepseek", "MLA"), ("top_k", "model.experts_per_token"), ("expert_split", "mesh.expert"),
-    ("dense_layers", "mlp_only_layers")])
+    ("dense_layers", "mlp_only_layers"), ("capacity", "model.capacity_factor")])
 def test_bad_moe_input_is_one_line_and_exit_2(models, case, blamed, tmp_path, capsys):
     _, hf_dir, _ = models["qwen3_moe"]
     src = tmp_path / "hf"
@@ -104,6 +104,8 @@ def test_bad_moe_input_is_one_line_and_exit_2(models, case, blamed, tmp_path, ca
         extra += ["mesh.data=3", "mesh.expert=3"]
     elif case == "dense_layers":
         cfg["mlp_only_layers"] = [0]
+    elif case == "capacity":  # 0 is dropless; below it nothing could be kept
+        extra += ["model.capacity_factor=-1"]
     (src / "config.json").write_text(json.dumps(cfg))
     capsys.readouterr()
     assert convert_command.main(["import", str(src), str(tmp_path / "run"), *extra]) == 2

@@ -1,9 +1,9 @@
 """Mixture-of-Experts on 8 simulated devices equals one device (float32, dropless): losses
-at every step and every gradient leaf, with the balancing loss, the z-loss and the bias on,
-for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP, with the sequence over the
-ring, in 1F1B and ZB-H1 pipelines and under ZeRO-3; and a checkpoint written at one
-expert-parallel degree resumed at another. Every layout accumulates 2 microbatches, as the
-reference does (the balancing loss is a microbatch's)."""
+at every step and every gradient leaf, with a shared expert, the balancing loss, the z-loss
+and the bias on, for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP, with the
+sequence over the ring, in 1F1B and ZB-H1 pipelines and under ZeRO-3; and a checkpoint
+written at one expert-parallel degree resumed at another. Every layout accumulates 2
+microbatches, as the reference does (the balancing loss is a microbatch's)."""
 
 import jax
 import pytest
@@ -13,6 +13,7 @@ from helpers import (assert_grads_match, assert_losses_match, by_layout, devices
 from spmd3d.train import train
 
 MOE = ("model.num_experts=8", "model.experts_per_token=2", "model.d_ff_expert=64",
+       "model.shared_experts=1",
        "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001",
        "model.router_bias_rate=0.01", "train.steps=4")
 LAYOUTS = {
