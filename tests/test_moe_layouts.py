@@ -1,30 +1,32 @@
 """Mixture-of-Experts on 8 simulated devices equals one device (float32, dropless): losses
 at every step and every gradient leaf, with a shared expert, the balancing loss, the z-loss
 and the bias on, for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP, with the
-sequence over the ring, in 1F1B and ZB-H1 pipelines and under ZeRO-3; and a checkpoint
+sequence over the ring, in 1F1B and ZB-H1 pipelines, and ZeRO-3 over the replicas; and a checkpoint
 written at one expert-parallel degree resumed at another. Every layout accumulates 2
 microbatches, as the reference does (the balancing loss is a microbatch's)."""
 
 import jax
+import numpy as np
 import pytest
 
 from helpers import (assert_grads_match, assert_losses_match, by_layout, devices_for, job_for,
                      max_rel_diff, reference_run, small_config, start_state, train_losses)
+from spmd3d import checkpoint
 from spmd3d.train import train
 
 MOE = ("model.num_experts=8", "model.experts_per_token=2", "model.d_ff_expert=64",
        "model.shared_experts=1",
        "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001",
-       "model.router_bias_rate=0.01", "train.steps=4")
+       "model.router_bias_rate=0.01", "train.steps=4", "optim.decay_steps=4")
 LAYOUTS = {
     "ep8": dict(data=8, extra=("mesh.expert=8",)),
-    "ep4_x2": dict(data=8, extra=("mesh.expert=4",)),
+    # ZeRO-3 over the replicas: each expert's weights split over the 2 devices that hold it
+    "ep4_x2_zero3": dict(data=8, zero=3, extra=("mesh.expert=4",)),
     "ep2_dp4_tp2_sp": dict(data=4, tensor=2, sp=True, extra=("mesh.expert=2",)),
     "ep4_ring2": dict(data=4, seq=2, extra=("mesh.expert=4",)),
     "ep2_1f1b": dict(data=4, stage=2, extra=("mesh.expert=2", "parallel.pipeline_schedule=1f1b")),
     "ep2_tp2_sp_zb_h1": dict(data=2, stage=2, tensor=2, sp=True,
                              extra=("mesh.expert=2", "parallel.pipeline_schedule=zb_h1")),
-    "zero3_ep4_x2": dict(data=8, zero=3, extra=("mesh.expert=4",)),
 }
 
 
@@ -47,7 +49,7 @@ def test_moe_layouts_match_one_device(reference, name):
 def test_router_state_is_kept_but_not_optimized(reference):
     """The bias and the statistics probe are parameters (checkpointed, laid out by the rules)
     that the optimizer keeps no moments for."""
-    job = job_for(moe_config(**LAYOUTS["ep4_x2"]))
+    job = job_for(moe_config(**LAYOUTS["ep4_x2_zero3"]))
     opt_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(job.abstract.opt)}
     assert any("w_gate_up" in p for p in opt_paths)
     assert not any("bias" in p or "probe" in p for p in opt_paths), opt_paths
@@ -56,16 +58,24 @@ def test_router_state_is_kept_but_not_optimized(reference):
 
 
 def test_checkpoint_resumes_at_another_expert_parallel_degree(tmp_path, reference):
-    """2 steps with experts split 8 ways, 2 more split 2 ways with tensor 2 and 2 stages: the
+    """2 steps with experts split 8 ways, 2 more split 2 ways with tensor 2 and 2 ZB-H1 stages: the
     losses are the uninterrupted one-device run's (the bias, trained by its own rule, comes
     back from the checkpoint: without it the routing, and the loss, would differ)."""
     run = tmp_path / "run"
-    legs = [moe_config(data=8, extra=("mesh.expert=8", "train.steps=2", f"run.dir={run}")),
-            moe_config(data=2, tensor=2, stage=2, extra=("mesh.expert=2", f"run.dir={run}"))]
+    quiet = (f"run.dir={run}", "run.eval_every=0", "run.sample_every=0")
+    # the layouts above (their compiled steps come from the compilation cache)
+    legs = [moe_config(**LAYOUTS["ep8"] | dict(extra=("mesh.expert=8", "train.steps=2", *quiet))),
+            moe_config(**LAYOUTS["ep2_tp2_sp_zb_h1"] | dict(extra=(
+                "mesh.expert=2", "parallel.pipeline_schedule=zb_h1", *quiet)))]
     got = []
     for leg in legs:
         got += [r["loss"] for r in train(leg, devices=devices_for(leg))]
     assert max_rel_diff(got, reference[0]) < 1e-4, (got, reference[0])
+    # the bias the resumed run ends with is the uninterrupted one-device run's
+    _, _, state = train_losses(moe_config())
+    want = np.asarray(state.params["blocks"]["mlp"]["bias"][...])
+    arrays, _ = checkpoint.read(run, ["params/blocks/mlp/bias"])
+    assert np.any(want) and np.array_equal(arrays["params/blocks/mlp/bias"], want)
 
 
 def test_capacity_with_room_for_all_is_dropless_and_reports_what_it_drops(reference):

@@ -369,8 +369,13 @@ def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, spli
     """What the per-stage function returns, its sums done: the stage's layer gradients summed
     over the manual axes but the stage's and those a weight is `split` over (once, after the
     loop), the loss and head gradients over all of them."""
-    g_stack = jax.tree.map(lambda g, own: psum(g, tuple(a for a in manual if a not in own)),
-                           g_stack, split)
+    leaves, tree = jax.tree.flatten(g_stack)
+    over = [tuple(a for a in manual if a not in own) for own in jax.tree.leaves(split)]
+    for axes in set(over):  # one sum per set of axes (all of them but for split experts)
+        which = [i for i, o in enumerate(over) if o == axes]
+        for i, g in zip(which, psum([leaves[i] for i in which], axes)):
+            leaves[i] = g
+    g_stack = tree.unflatten(leaves)
     return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
             psum(g_head, manual), dx_out[None])
 
