@@ -66,6 +66,17 @@ def ours_logits(cfg, params=None, hf_dir=None):
     return np.asarray(make_logits_fn(plan, graphdef, shardings.params)(params, TOKENS))
 
 
+def assert_reloaded_equal(model, reloaded, ref):
+    """Every tensor of the reloaded transformers model equal to the original's, and its logits
+    on TOKENS equal to `ref`."""
+    want, got = model.state_dict(), reloaded.state_dict()
+    assert set(want) == set(got)
+    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want
+                                                             if not torch.equal(want[k], got[k])]
+    with torch.no_grad():
+        assert np.array_equal(reloaded(torch.tensor(TOKENS)).logits.numpy(), ref)
+
+
 def read_params(run_dir, cfg):
     arrays, _ = checkpoint.read(run_dir, lambda k: k.startswith("params/"))
     model = Plan.resolve(cfg, jax.devices()[:cfg.mesh.num_devices]).cfg.model  # dtype resolved
@@ -123,12 +134,7 @@ def test_export_reloads_bit_equal_and_round_trips(models, variant, tmp_path):
     files = convert.export_hf(tmp_path / "run", tmp_path / "out", max_bytes=40_000)
     assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    want, got = model.state_dict(), reloaded.state_dict()
-    assert set(want) == set(got)
-    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want
-                                                             if not torch.equal(want[k], got[k])]
-    with torch.no_grad():
-        assert np.array_equal(reloaded(torch.tensor(TOKENS)).logits.numpy(), ref)
+    assert_reloaded_equal(model, reloaded, ref)
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["tie_word_embeddings"] is False and exported["head_dim"] == 16
     # export -> import is bit-exact
@@ -141,7 +147,7 @@ def test_export_reloads_bit_equal_and_round_trips(models, variant, tmp_path):
     half = LlamaForCausalLM.from_pretrained(tmp_path / "bf16")
     assert half.dtype == torch.bfloat16
     w = "model.layers.1.mlp.down_proj.weight"
-    assert torch.equal(half.state_dict()[w], want[w].to(torch.bfloat16))
+    assert torch.equal(half.state_dict()[w], model.state_dict()[w].to(torch.bfloat16))
 
 
 def _hf_dir(tmp_path, **changes):

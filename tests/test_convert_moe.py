@@ -16,7 +16,7 @@ import transformers
 
 from spmd3d import convert
 from spmd3d.convert import __main__ as convert_command
-from test_convert import TOKENS, ours_logits, run_config
+from test_convert import TOKENS, assert_reloaded_equal, ours_logits, run_config
 
 COMMON = dict(vocab_size=256, hidden_size=48, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-5)
@@ -77,12 +77,7 @@ def test_export_reloads_every_tensor_equal(models, name, tmp_path):
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["architectures"] == [MODELS[name][0]]
     reloaded = getattr(transformers, MODELS[name][0]).from_pretrained(tmp_path / "out").eval()
-    want, got = model.state_dict(), reloaded.state_dict()
-    assert set(want) == set(got)
-    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want
-                                                             if not torch.equal(want[k], got[k])]
-    with torch.no_grad():
-        assert np.array_equal(reloaded(torch.tensor(TOKENS)).logits.numpy(), ref)
+    assert_reloaded_equal(model, reloaded, ref)
 
 
 @pytest.mark.parametrize("case,blamed", [

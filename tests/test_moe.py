@@ -74,16 +74,21 @@ def test_balancing_terms_at_their_bounds():
 
 
 # --------------------------------------------------------------------------- the layer's pieces
-def test_grouped_experts_equal_a_loop_over_experts():
-    """Sorted by expert, two grouped matmuls, put back: each token's weighted sum of its
-    experts' SwiGLU outputs, as a plain loop computes it; with the experts split in two
-    halves (expert parallelism), the halves' outputs add up to the whole."""
-    rng = np.random.default_rng(3)
-    n, d, f = 12, 8, 6
+def _experts(seed: int, n: int = 12, d: int = 8, f: int = 6):
+    """(n, d, tokens x[n, d], E experts' weights, and the tokens' top-K routing)."""
+    rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
     gate_up = jnp.asarray(rng.normal(size=(E, d, 2, f)).astype(np.float32))
     down = jnp.asarray(rng.normal(size=(E, f, d)).astype(np.float32))
     weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)), K)
+    return n, d, x, gate_up, down, weights, experts
+
+
+def test_grouped_experts_equal_a_loop_over_experts():
+    """Sorted by expert, two grouped matmuls, put back: each token's weighted sum of its
+    experts' SwiGLU outputs, as a plain loop computes it; with the experts split in two
+    halves (expert parallelism), the halves' outputs add up to the whole."""
+    n, d, x, gate_up, down, weights, experts = _experts(3)
     want = np.zeros((n, d), np.float32)
     for t in range(n):
         for j in range(K):
@@ -100,12 +105,7 @@ def test_grouped_experts_equal_a_loop_over_experts():
 
 
 def test_capacity_buffers_equal_dropless_with_room_and_drop_second_choices_first():
-    rng = np.random.default_rng(5)
-    n, d, f = 12, 8, 6
-    x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
-    gate_up = jnp.asarray(rng.normal(size=(E, d, 2, f)).astype(np.float32))
-    down = jnp.asarray(rng.normal(size=(E, f, d)).astype(np.float32))
-    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)), K)
+    n, d, x, gate_up, down, weights, experts = _experts(5)
     want = moe.grouped_ffn(x, gate_up, down, weights, experts)
     room = moe.capacity(E / K, n * K, E)  # the factor E / k: an expert could take every token
     slot, dropped = moe.slots(experts, 0, E, room)
