@@ -249,7 +249,7 @@ def _moe_weights(cfg: ModelConfig) -> tuple:
         Weight("blocks/mlp/w_down", tuple(f"{x}{down}.weight" for x in each),
                lambda ts, cfg: np.stack([t.T for t in ts]), lambda w, cfg: [t.T for t in w]),
         Weight("blocks/mlp/bias", (), zeros(e), lambda w, cfg: []),
-        Weight("blocks/mlp/probe", (), zeros(e + 3), lambda w, cfg: []),
+        Weight("blocks/mlp/probe", (), zeros(e + 3), lambda w, cfg: []),  # moe.stats_size
     )
 
 

@@ -67,10 +67,10 @@ def z_loss(logits_te):
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_te.astype(jnp.float32), axis=-1)))
 
 
-def imbalance(experts_tk, num_experts: int):
-    """The most loaded expert's assignments over the mean (1: perfectly even)."""
-    load = expert_load(experts_tk, num_experts)
-    return jnp.max(load) / jnp.mean(load)
+def imbalance(load_e):
+    """The most loaded expert's assignments over the mean (1: perfectly even), over the last
+    axis of `load` (`expert_load`'s, or a layer's row of the step's statistics)."""
+    return jnp.max(load_e, axis=-1) / jnp.mean(load_e, axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +201,8 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
     flat = slot_nk.reshape(-1)
     kept = flat >= 0
     where = jnp.where(kept, flat, e_local * cap)  # the assignments without a slot: one more row
-    buffer = jnp.zeros((e_local * cap + 1, d), x_nd.dtype).at[where].set(x_nd[jnp.arange(n * k) // k])
+    rows = x_nd[jnp.arange(n * k) // k]  # each assignment's token
+    buffer = jnp.zeros((e_local * cap + 1, d), x_nd.dtype).at[where].set(rows)
     buffer = buffer[:-1].reshape(e_local, cap, d)
     gate, up = (jnp.einsum("ecd,edf->ecf", buffer, gate_up_edcf[:, :, c]) for c in (0, 1))
     out = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down_efd).reshape(-1, d)
@@ -317,7 +318,7 @@ def step_metrics(stats_ls, active=None) -> dict:
         stats_ls = stats_ls[jnp.asarray(active)]
     loads, extra = stats_ls[:, :-STATS_EXTRA], stats_ls[:, -STATS_EXTRA:]
     return {"moe_aux_loss": jnp.mean(extra[:, 0]), "moe_z_loss": jnp.mean(extra[:, 1]),
-            "moe_imbalance": jnp.max(jnp.max(loads, axis=1) / jnp.mean(loads, axis=1)),
+            "moe_imbalance": jnp.max(imbalance(loads)),
             "moe_dropped": jnp.sum(extra[:, 2]) / jnp.sum(loads)}
 
 

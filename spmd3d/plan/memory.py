@@ -70,7 +70,7 @@ def param_shapes(m: ModelConfig, layers: int) -> dict:
 
 def ROUTER_STATE(e: int) -> dict:  # noqa: N802 -- a table, by expert count
     """The MoE layer's router state (`moe.RouterState`): parameters the optimizer skips."""
-    return {"mlp/bias": (e,), "mlp/probe": (e + 3,)}
+    return {"mlp/bias": (e,), "mlp/probe": (e + 3,)}  # moe.stats_size (no jax here)
 
 
 def _axes(rule) -> tuple:
@@ -260,7 +260,8 @@ def memory(plan) -> dict:
     kinds["layer_weights"] = layer_weights(plan)
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
-    if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1 and data_degree(mesh) > 1
+    if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1
+            and data_degree(mesh) > 1
             and c < F32 and applies("head_gradient_fp32_copy")):
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0
