@@ -18,10 +18,10 @@ from pathlib import Path
 
 import yaml
 
-from .schema import (ATTENTION_KERNELS, DTYPES, PIPELINE_SCHEDULES,  # noqa: F401
-                     REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig, Config, ConfigError,
-                     DataConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig,
-                     ParallelConfig, RunConfig, TrainConfig, compute_dtype, doc,
+from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS,  # noqa: F401
+                     PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig,
+                     Config, ConfigError, DataConfig, DistConfig, MeshConfig, ModelConfig,
+                     OptimConfig, ParallelConfig, RunConfig, TrainConfig, compute_dtype, doc,
                      parse_xla_flags)
 
 
@@ -328,6 +328,8 @@ def _validate_moe(m, mesh) -> None:
                  "capacity_factor"):
         _need(getattr(m, name) >= 0, f"model.{name}", "must be >= 0 (0: off" +
               (", dropless)" if name == "capacity_factor" else ")"))
+    _need(m.expert_kernel in EXPERT_KERNELS, "model.expert_kernel",
+          f"must be one of {', '.join(EXPERT_KERNELS)}")
     _divides("model.num_experts", m.num_experts, mesh.expert, "mesh.expert")
     _divides("model.d_ff_expert", m.expert_width, mesh.tensor, "mesh.tensor")
     if mesh.data > 0:

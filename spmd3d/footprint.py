@@ -2,10 +2,12 @@
 
 `measure(cfg)` compiles the real step for the config's real device count on simulated CPU
 devices, from abstract shapes (nothing is allocated), and reads `memory_analysis()` and the HLO.
-Three departures from the real run, each stated in the report:
+Four departures from the real run, each stated in the report:
 
 * bf16 compute is compiled as fp16, a 2-byte stand-in: XLA:CPU computes bf16 in fp32 and hoists
   the conversions, which would inflate the temporaries of a bf16 step;
+* an MoE plan's tokamax kernels (which XLA:CPU cannot lower) compile as a stand-in with their
+  buffers and FLOPs (`grouped.py`);
 * layers are compiled scanned (`parallel.scan_layers`): XLA:CPU schedules unrolled layers with
   no regard to memory (four times a GPU's figure: docs/choices.md);
 * above `MAX_SIMULATED` devices (what XLA:CPU can simulate), the `data` axis is cut (with the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from . import grouped
 from .config import Config, ConfigError
 from .units import gb
 
@@ -70,10 +73,18 @@ def state_terms(plan) -> dict:
 
     _, abstract, shardings = state_shardings(plan)
     grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract.params)
-    return {"parameters": shard_bytes(abstract.params, shardings.params),
-            "optimizer_state": shard_bytes(abstract.opt, shardings.opt),
-            "gradients": shard_bytes(grads, shardings_for(abstract.params, plan.rules.grads,
-                                                          plan.mesh))}
+    terms = {"parameters": shard_bytes(abstract.params, shardings.params),
+             "optimizer_state": shard_bytes(abstract.opt, shardings.opt),
+             "gradients": shard_bytes(grads, shardings_for(abstract.params, plan.rules.grads,
+                                                           plan.mesh))}
+    if plan.cfg.model.is_moe:  # the routed experts' weights: per device, and in all
+        mlp = abstract.params["blocks"]["mlp"]
+        experts = [mlp[name] for name in ("w_gate_up", "w_down")]
+        terms["expert_weights"] = shard_bytes(experts, [shardings.params["blocks"]["mlp"][name]
+                                                        for name in ("w_gate_up", "w_down")])
+        terms["expert_weights_total"] = sum(
+            math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(experts))
+    return terms
 
 
 TEMPORARY_KINDS = ("gradients", "pipeline_buffers", "logits_loss", "gathered_layers")
@@ -100,10 +111,11 @@ def measure(cfg: Config, topology) -> dict:
     real = Plan.resolve(cfg, topology=topology)
     n = real.num_devices
     compile_cfg, cut = compiled_layout(real.cfg, n)
-    plan = Plan.resolve(compile_cfg, jax.devices()[: n // cut], topology=topology)
-    graphdef, abstract, shardings = state_shardings(plan)
-    compiled, seconds = compile_step(plan, make_train_step(plan, graphdef, shardings),
-                                     abstract, shardings)
+    with grouped.standing_in():  # a GPU plan's grouped-matmul kernel, on CPU devices
+        plan = Plan.resolve(compile_cfg, jax.devices()[: n // cut], topology=topology)
+        graphdef, abstract, shardings = state_shardings(plan)
+        compiled, seconds = compile_step(plan, make_train_step(plan, graphdef, shardings),
+                                         abstract, shardings)
 
     mem = hlo.memory(compiled)
     terms_real, terms_compiled = state_terms(real), state_terms(plan)
@@ -122,6 +134,7 @@ def measure(cfg: Config, topology) -> dict:
         "devices": n, "simulated_devices": n // cut, "data_cut": cut,
         "mesh": dict(real.mesh.shape), "compiled_mesh": dict(plan.mesh.shape),
         "dtype": real.cfg.model.dtype, "compiled_dtype": plan.cfg.model.dtype,
+        "experts": plan.experts[0] if plan.experts else "",
         "scanned_for_compile": not real.cfg.parallel.scan_layers,
         "topology": topology.name, "device_memory_bytes": int(topology.device_memory_gb * 1e9),
         "compile_s": seconds, "compiled": compiled_rec, "by_kind": kinds,
@@ -141,6 +154,9 @@ def format_report(r: dict) -> list[str]:
     if r["compiled_dtype"] != r["dtype"]:
         lines.append(f"  {r['dtype']} compiled as {r['compiled_dtype']}, a 2-byte stand-in "
                      "(XLA:CPU would compute bf16 in fp32 and inflate the temporaries)")
+    if r.get("experts") == "tokamax":
+        lines.append("  the experts' tokamax kernels compiled as a stand-in with their buffers "
+                     "and FLOPs (XLA:CPU cannot lower them)")
     if r.get("scanned_for_compile"):
         lines.append("  layers compiled scanned, not unrolled: XLA:CPU schedules unrolled layers "
                      "with no regard to memory (a GPU's compiler does)")
@@ -162,8 +178,16 @@ def format_report(r: dict) -> list[str]:
         f"{gb(c['alias_bytes'])})",
         f"  needed      {gb(r['needed_bytes'], 8)}   arguments + temporaries; a device of "
         f"{r['topology']} has {r['device_memory_bytes'] / 1e9:.0f}",
-        "collectives per step (per device, loop trips counted)",
     ]
+    if "expert_weights" in k:
+        m = r["mesh"]
+        split = m.get("expert", 1) * m["tensor"] * m["stage"]
+        whole = k["expert_weights_total"] / split
+        lines.append(f"  expert weights {gb(k['expert_weights'])} of the parameters: all "
+                     f"{gb(k['expert_weights_total'])} / (expert {m.get('expert', 1)} x tensor "
+                     f"{m['tensor']} x stage {m['stage']}) = {gb(whole)}"
+                     + (", exactly" if k["expert_weights"] == whole else ""))
+    lines.append("collectives per step (per device, loop trips counted)")
     for x in r["collectives"]:
         lines.append(f"  {','.join(x['axes']) or '?':<12} {x['kind']:<20} {x['count']:>7} ops "
                      f"{x['bytes'] / 1e9:10.3f} GB")

@@ -183,7 +183,7 @@ class MoE(nnx.Module):
                 _use(self.w_down, self.dtype), self.bias[...], self.probe[...],
                 k=c.experts_per_token, renormalize=c.router_renormalize,
                 aux_weight=c.router_aux_loss_coef / L, z_weight=c.router_z_loss_coef / L,
-                capacity_factor=c.capacity_factor)
+                capacity_factor=c.capacity_factor, kernel=c.expert_kernel)
         return y if self.shared is None else y + self.shared(x_btd)
 
 

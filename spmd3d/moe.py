@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from . import grouped
 from .manual import psum, vary, varying
 from .mesh import DATA, EXPERT, SEQ
 from .sharding import Param, current_layout
@@ -151,25 +152,29 @@ def _balanced_bwd(how, residuals, g_te):
 balanced.defvjp(_balanced_fwd, _balanced_bwd)
 
 
-def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int = 0):
+def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int = 0,
+                kernel: str = "ragged"):
     """y[N, D]: each token through its chosen experts among the local ones (global ids
     first .. first + E_local - 1), weighted; others contribute zero. Dropless: the N k
-    assignments sorted by expert, two grouped matmuls (`jax.lax.ragged_dot`) over the groups,
+    assignments sorted by expert, grouped matmuls (`grouped.matmul(kernel)`) over the groups,
     then put back in token order and summed over each token's k."""
+    ragged_dot = grouped.matmul("ragged" if kernel == "auto" else kernel)
     n, k = experts_nk.shape
     e_local, d = gate_up_edcf.shape[0], x_nd.shape[-1]
     local = experts_nk.reshape(-1) - first
     mine = (local >= 0) & (local < e_local)
     key = jnp.where(mine, local, e_local)  # the other devices' assignments sort last
-    order = jnp.argsort(key, stable=True)
+    # a token chooses an expert once, so at most min(k, E_local) of its k are ours: the
+    # buffers hold that many rows per token, not k (half of them at Mixtral's top-2, one
+    # expert per device)
+    order = jnp.argsort(key, stable=True)[:n * min(k, e_local)]
     sizes = jnp.zeros((e_local + 1,), jnp.int32).at[key].add(1)[:e_local]
-    rows = x_nd[order // k]  # [N k, D], grouped by expert
+    rows = x_nd[order // k]  # [R, D], grouped by expert
     # gate and up apart: merging [2, F] into one dim would move F's shards (over `tensor`)
-    gate, up = (jax.lax.ragged_dot(rows, gate_up_edcf[:, :, c], sizes) for c in (0, 1))
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes)  # [N k, D]; 0 past the groups
-    y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, d)  # back in assignment order
-    w = jnp.where(mine, weights_nk.reshape(-1), 0.0).reshape(n, k).astype(y.dtype)
-    return jnp.einsum("nkd,nk->nd", y, w)
+    gate, up = (ragged_dot(rows, gate_up_edcf[:, :, c], sizes) for c in (0, 1))
+    y = ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes)  # [R, D]; 0 past the groups
+    w = jnp.where(mine, weights_nk.reshape(-1), 0.0)[order].astype(y.dtype)
+    return jnp.zeros((n, d), y.dtype).at[order // k].add(y * w[:, None])
 
 
 def capacity(factor: float, assignments: int, num_experts: int) -> int:
@@ -212,7 +217,7 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
 
 def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, k: int,
                   renormalize: bool, aux_weight: float, z_weight: float,
-                  capacity_factor: float = 0.0):
+                  capacity_factor: float = 0.0, kernel: str = "ragged"):
     """The routed experts of an MoE layer: y[B, T, D] for x[B, T, D] (the weights as used:
     cast, and laid out by the compute rules: experts over `expert`, their hidden dim over
     `tensor`).
@@ -259,7 +264,7 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         if e_axis is not None:
             x, weights = (jax.lax.all_gather(a, e_axis, tiled=True) for a in (x, weights))
         gate_up, down = vary(gate_up, tokens), vary(down, tokens)
-        y = (grouped_ffn(x, gate_up, down, weights, mine, first) if slot is None else
+        y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel) if slot is None else
              capacity_ffn(x, gate_up, down, weights, slot, cap))
         if e_axis is not None:
             y = jax.lax.psum_scatter(y, e_axis, scatter_dimension=0, tiled=True)

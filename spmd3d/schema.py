@@ -14,6 +14,7 @@ REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn")
+EXPERT_KERNELS = ("auto", "ragged", "tokamax")  # the experts' grouped matmul (grouped.py)
 
 
 def compute_dtype(dtype: str, platform: str) -> str:
@@ -105,6 +106,9 @@ class ModelConfig:
                                        "bias (DeepSeek-V3 balancing); 0: off")
     capacity_factor: float = doc(0.0, "MoE: an expert takes at most this x its even share of "
                                       "a device's assignments, the rest dropped; 0: dropless")
+    expert_kernel: str = doc("auto", "MoE, dropless: the grouped matmul: auto (tokamax on a GPU "
+                                     "when installed, else ragged), ragged (jax.lax.ragged_dot) "
+                                     "or tokamax (tokamax.ragged_dot's GPU kernels)")
 
     @property
     def is_moe(self) -> bool:

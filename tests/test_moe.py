@@ -2,12 +2,18 @@
 and Qwen3-MoE's (with and without `norm_topk_prob`), on the same hidden states and router
 weights."""
 
+import importlib.util
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd3d import moe
+from spmd3d import config, footprint, grouped, moe
+from spmd3d.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 torch = pytest.importorskip("torch")
 from transformers import MixtralConfig, Qwen3MoeConfig  # noqa: E402
@@ -102,6 +108,10 @@ def test_grouped_experts_equal_a_loop_over_experts():
     parts = [moe.grouped_ffn(x, gate_up[i * half:(i + 1) * half], down[i * half:(i + 1) * half],
                              weights, experts, first=i * half) for i in (0, 1)]
     np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), want, rtol=1e-5, atol=1e-5)
+    # one expert per device: its buffers hold one row per token, not k (min(k, E_local))
+    ones = [moe.grouped_ffn(x, gate_up[e:e + 1], down[e:e + 1], weights, experts, first=e)
+            for e in range(E)]
+    np.testing.assert_allclose(np.asarray(sum(ones)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_capacity_buffers_equal_dropless_with_room_and_drop_second_choices_first():
@@ -171,3 +181,58 @@ def test_bias_rule_and_step_metrics_by_hand():
     # padding layers (uneven stages) are left out
     m = moe.step_metrics(jnp.asarray(stats), active=(False, True))
     assert float(m["moe_imbalance"]) == pytest.approx(1.0)
+
+
+def test_the_plan_picks_the_experts_kernel():
+    """The grouped matmul is chosen once, in the plan: jax's ragged_dot on a CPU, tokamax's
+    kernels on a GPU (a plan without devices assumes it installed; with devices and without
+    it, ragged_dot and a warning), the capacity path whenever a capacity factor is set; an
+    explicit tokamax that is not installed is refused naming the field."""
+    installed = importlib.util.find_spec("tokamax") is not None
+    assert grouped.choose("auto", platform="cpu", capacity_factor=0) == ("ragged", "")
+    assert grouped.choose("auto", platform="gpu", capacity_factor=0, devices=False) == \
+        ("tokamax", "")
+    assert grouped.choose("auto", platform="gpu", capacity_factor=0) == \
+        (("tokamax", "") if installed else ("ragged", grouped.SLOW))
+    assert grouped.choose("tokamax", platform="gpu", capacity_factor=1.25)[0] == "capacity"
+    assert grouped.choose("ragged", platform="gpu", capacity_factor=0) == ("ragged", "")
+    if not installed:
+        with pytest.raises(config.ConfigError, match="model.expert_kernel"):
+            grouped.choose("tokamax", platform="gpu", capacity_factor=0)
+    with grouped.standing_in():
+        assert grouped.choose("tokamax", platform="cpu", capacity_factor=0) == ("tokamax", "")
+    plan = Plan.resolve(config.load(str(ROOT / "configs" / "mixtral_8x22b.yaml")),
+                        topology="dgx_h100_256")
+    assert plan.experts == ("tokamax", "") and plan.cfg.model.expert_kernel == "tokamax"
+    assert "experts: tokamax (dropless)" in plan.describe()
+
+
+def test_the_compile_stand_in_has_the_kernels_shapes():
+    """What `plan --compile` compiles for tokamax on a CPU: the grouped matmul's output and
+    both gradients with ragged_dot's shapes and dtypes (its buffers)."""
+    x = jax.ShapeDtypeStruct((96, D), jnp.float16)
+    w = jax.ShapeDtypeStruct((E, D, 24), jnp.float16)
+    sizes = jax.ShapeDtypeStruct((E,), jnp.int32)
+
+    def shapes(fn):
+        def both(x, w, sizes):
+            y, back = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
+            return y, back(y)
+        return jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(both, x, w, sizes))
+
+    with grouped.standing_in():
+        assert grouped.matmul("tokamax") is not jax.lax.ragged_dot
+        assert shapes(grouped.matmul("tokamax")) == shapes(jax.lax.ragged_dot)
+
+
+def test_expert_weights_per_device_are_the_layouts_share():
+    """Mixtral 8x22B at the seeds' layout: each device holds exactly all the experts' weights
+    / (expert 8 x tensor 8 x stage 4), from the rules alone (what `plan --compile` reports
+    beside the compiled memory)."""
+    plan = Plan.resolve(config.load(str(ROOT / "configs" / "mixtral_8x22b.yaml")),
+                        topology="dgx_h100_256")
+    terms = footprint.state_terms(plan)
+    assert terms["expert_weights"] * 8 * 8 * 4 == terms["expert_weights_total"]
+    m = plan.cfg.model
+    assert terms["expert_weights_total"] == 4 * m.num_layers * m.num_experts * 3 * m.d_model * \
+        m.expert_width

@@ -21,6 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .. import grouped
 from ..attention import choose
 from ..config import Config, ConfigError, compute_dtype, resolve_mesh
 from ..mesh import Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
@@ -29,31 +30,39 @@ from ..ring import zigzag_order
 from ..sharding import ZeroRules, zero_rules
 
 
-def _platform(mesh, topology: Topology) -> tuple[str, bool]:
-    """(platform, whether the GPUs are Hopper or later) of the mesh's devices; a plan without
-    devices takes the topology's platform and assumes no Hopper."""
+def _platform(mesh, topology: Topology) -> tuple[str, bool, bool]:
+    """(platform, whether the GPUs are Hopper or later, whether there are devices) of the
+    mesh's devices; a plan without devices takes the topology's platform and assumes no
+    Hopper."""
     try:
         device = mesh.devices.flat[0]
     except ValueError:  # an AbstractMesh has no devices
-        return topology.platform, False
+        return topology.platform, False, False
     capability = getattr(device, "compute_capability", None) or "0"
-    return device.platform, float(capability) >= 9.0
+    return device.platform, float(capability) >= 9.0, True
 
 
-def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str]:
-    """(cfg with `model.dtype` auto resolved: bf16 compute on a GPU, fp32 elsewhere; the
-    attention kind) on the mesh's devices."""
-    platform, hopper = _platform(mesh, topology)
-    m = cfg.model
+def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str, tuple]:
+    """(cfg with `model.dtype` auto resolved: bf16 compute on a GPU, fp32 elsewhere, and
+    `model.expert_kernel`; the attention kind; the experts' kernel and its warning, or ()
+    for a dense model) on the mesh's devices."""
+    platform, hopper, devices = _platform(mesh, topology)
+    m, experts = cfg.model, ()
     if m.dtype == "auto":
         m = replace(m, dtype=compute_dtype(m.dtype, platform))
-        cfg = replace(cfg, model=m)
+    if m.is_moe:
+        experts = grouped.choose(m.expert_kernel, platform=platform,
+                                 capacity_factor=m.capacity_factor,
+                                 devices=devices)
+        if experts[0] != "capacity":
+            m = replace(m, expert_kernel=experts[0])
+    cfg = replace(cfg, model=m)
     par = cfg.parallel  # a switch table runs each stage's layers inside a conditional
     branched = cfg.mesh.stage > 1 and Schedule(cfg.mesh.stage, cfg.train.microbatches,
                                                par.pipeline_repeats,
                                                par.pipeline_schedule).mode == "switch"
     return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
-                       seq=cfg.mesh.seq, hopper=hopper, branched=branched)
+                       seq=cfg.mesh.seq, hopper=hopper, branched=branched), experts
 
 
 @lru_cache(maxsize=1024)
@@ -74,6 +83,7 @@ class Plan:
     layer_order: tuple  # storage position -> canonical layer index (-1: a padding slot)
     seq_order: tuple | None  # global position at each place of the token layout (zig-zag)
     attention: str  # an `attention.KINDS` name
+    experts: tuple = ()  # MoE: (the experts' kernel, `grouped.KERNELS` or capacity; a warning)
 
     @classmethod
     def resolve(cls, cfg: Config, devices=None, *, topology: str | Topology | None = None) -> "Plan":
@@ -105,7 +115,7 @@ class Plan:
     @classmethod
     def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
         """The decisions for a resolved config on a given mesh."""
-        cfg, attention = _with_kernels(cfg, mesh, topology)
+        cfg, attention, experts = _with_kernels(cfg, mesh, topology)
         m, par, tr = cfg.mesh, cfg.parallel, cfg.train
         schedule = (Schedule(m.stage, tr.microbatches, par.pipeline_repeats, par.pipeline_schedule)
                     if m.stage > 1 else None)
@@ -124,6 +134,7 @@ class Plan:
             layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
             seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
             attention=attention,
+            experts=experts,
         )
 
     @property
@@ -191,6 +202,12 @@ class Plan:
         lines = [f"mesh {dict(self.mesh.shape)}{experts}, ZeRO-{par.zero_stage}"
                  f"{' (gradients accumulated sharded)' if sharded else ''}, "
                  f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"]
+        if self.experts:
+            kernel, warning = self.experts
+            how = ("fixed buffers of capacity factor "
+                   f"{self.cfg.model.capacity_factor:g}, over capacity dropped"
+                   if kernel == "capacity" else "dropless")
+            lines.append(f"experts: {kernel} ({how}){'; ' + warning if warning else ''}")
         if self.schedule:
             lines.append(self.schedule.describe(self.layer_order))
         elif self.accum_steps > 1:

@@ -121,8 +121,10 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     f = 4 if sp else 2
     again = {"none": 0, "save_dots": f - 2, "full": f - 1}[remat]
     # (as sent: an all-reduce is a reduce-scatter and a gather, so SP's four cost its two)
+    # (an MoE layer in a pipeline reduces its experts' sums instead of the MLP's: below)
+    experts_auto = m.is_moe and s is not None and t > 1
     add("layers' activations", "reduce-scatter" if sp else "reduce", ("tensor",), act,
-        (fwd + restage) * f + bwd * (f + again))
+        (fwd + restage) * f + bwd * (f + again) - (fwd + bwd) * experts_auto)
     # the embedding's lookup (psum of its vocab shards, in fp32: `manual.psum`) and the head's
     # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
     # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
@@ -135,16 +137,27 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("final norm gathered", "gather", ("tensor",), head_tokens * m.d_model * c)
         add("embedding cotangent gathered", "gather", ("tensor",), tokens * m.d_model * F32)
 
+    # an MoE layer inside a pipeline keeps `tensor` automatic (moe.experts_layer), and the
+    # compiler reduces the experts' partial sums over every gathered assignment, [R, D] with
+    # R = expert x tokens x min(k, local experts), where the MLP's own reduction would be:
+    # forward once, backward twice (the inputs' gradients of gate and up) and once more
+    # where the backward recomputes the outputs (the router weights' gradient needs them);
+    # read from the HLO of Mixtral 8x22B's compiled step
+    ep = mesh.get("expert", 1)
+    if experts_auto:
+        rows = ep * n * min(m.experts_per_token, m.num_experts // ep)
+        add("experts' partial sums", "reduce", ("tensor",), rows * m.d_model * c,
+            fwd + restage + bwd * (2 + (remat != "none")))
+
     # expert: an MoE layer all-gathers its tokens (with their choices: k weights and ids) over
     # `expert` and reduce-scatters the outputs back; the backward runs the transposes
-    ep = mesh.get("expert", 1)
     if m.is_moe and ep > 1:
         gathered = ep * n * m.d_model * c
         choices = ep * n * m.experts_per_token * (F32 + 4)
         add("tokens to the experts", "gather", ("expert",), gathered + choices,
             fwd + restage + bwd * (remat != "none"))
-        add("experts' outputs back", "reduce-scatter", ("expert",), gathered,
-            fwd + restage + bwd * (remat != "none"))
+        # (a recompute drops it: the backward needs the experts' outputs, not their sums)
+        add("experts' outputs back", "reduce-scatter", ("expert",), gathered, fwd + restage)
         add("tokens' gradients back", "reduce-scatter", ("expert",),
             gathered + ep * n * m.experts_per_token * F32, bwd)
         add("outputs' gradients to the experts", "gather", ("expert",), gathered, bwd)

@@ -43,12 +43,14 @@ def _as_the_step(ep: int = 1):
 
     import jax
 
+    from ..grouped import standing_in
     from ..mesh import EXPERT, abstract_mesh
     from ..sharding import activation_rules, zero_rules
     sizes = {"data": 1, "stage": 1, "tensor": 1, "seq": 1, **({EXPERT: ep} if ep > 1 else {})}
     stack = ExitStack()
     stack.enter_context(jax.sharding.use_abstract_mesh(abstract_mesh(sizes)))
     stack.enter_context(activation_rules(zero_rules(0, False, expert=ep > 1).compute, None))
+    stack.enter_context(standing_in())  # a GPU plan's experts kernel: its buffers, traced here
     return stack
 
 

@@ -1,0 +1,104 @@
+"""The experts' grouped matmul and which implementation runs it, chosen once in the plan.
+
+`y[M, F] = x[M, D] @ w[g(m), D, F]` for rows sorted by group, `sizes[G]` rows per group, rows past
+the groups giving zero (`jax.lax.ragged_dot`'s contract). The kernels (`Plan.experts`, stated in a
+run's first lines):
+
+* `ragged`: `jax.lax.ragged_dot`. On a CPU (exact; XLA:CPU computes each group as a dense
+  matmul over all the rows, masked), or when asked.
+* `tokamax`: `tokamax.ragged_dot`, Pallas Mosaic GPU kernels on Hopper, Triton ones before it.
+  On a GPU when tokamax is installed (`pip install spmd3d[gpu]`).
+* `capacity`: no grouped matmul; fixed [capacity, D] buffers per expert and batched matmuls
+  (`moe.capacity_ffn`). Whenever `model.capacity_factor` > 0.
+
+On a GPU, jax 0.10 lowers `ragged_dot` to a zero-padded dense matmul (XLA's own notes say so;
+about 2 % of a grouped GEMM's speed was measured on a B200), hence tokamax there, and a one-line
+warning where the plan has to fall back to `ragged`.
+
+`plan --compile` compiles a GPU plan on CPU devices, which cannot lower tokamax's kernels. There a
+stand-in takes their place (`standing_in`): every row times one group's weights, which has the
+kernel's buffers and FLOPs (forward [M, F]; backward dx [M, D] and dw [G, D, F]) but not its
+arithmetic, as cuDNN attention compiles as the blocked kernel there. It cannot be chosen to train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+from .schema import ConfigError
+_STANDIN = contextvars.ContextVar("grouped_standin", default=False)
+
+SLOW = ("tokamax is not installed, so the experts run jax's ragged_dot, which XLA lowers on a "
+        "GPU to a zero-padded dense matmul (slow, and its memory grows with the expert count): "
+        "pip install tokamax, or set model.capacity_factor")
+
+
+def _tokamax_installed() -> bool:
+    return _STANDIN.get() or importlib.util.find_spec("tokamax") is not None
+
+
+def choose(requested: str, *, platform: str, capacity_factor: float,
+           devices: bool = True) -> tuple[str, str]:
+    """(kernel, a warning or "") for `model.expert_kernel = requested` on `platform`; `devices`
+    False: a plan without devices, which assumes a GPU has tokamax. An explicit `tokamax` that
+    is not installed raises ConfigError naming the field."""
+    if capacity_factor > 0:
+        return "capacity", ""
+    if requested == "tokamax" and not (_tokamax_installed() or not devices):
+        raise ConfigError("model.expert_kernel", "tokamax is not installed (pip install tokamax, "
+                                                 "or spmd3d[gpu]); use auto or ragged")
+    if requested != "auto":
+        return requested, ""
+    if platform != "gpu":
+        return "ragged", ""
+    if _tokamax_installed() or not devices:
+        return "tokamax", ""
+    return "ragged", SLOW
+
+
+@contextlib.contextmanager
+def standing_in():
+    """Trace a tokamax plan's step on a CPU with the stand-in (see the module's docstring)."""
+    token = _STANDIN.set(True)
+    try:
+        yield
+    finally:
+        _STANDIN.reset(token)
+
+
+def matmul(kernel: str):
+    """The grouped matmul `(x[M, D], w[G, D, F], sizes[G]) -> [M, F]` of `kernel`."""
+    if kernel == "ragged":
+        return jax.lax.ragged_dot
+    if kernel != "tokamax":
+        raise ValueError(f"no grouped matmul for kernel {kernel!r}")
+    if _STANDIN.get():
+        return _shaped
+    import tokamax
+
+    return tokamax.ragged_dot
+
+
+@jax.custom_vjp
+def _shaped(x_md, w_gdf, sizes_g):
+    """The stand-in: a grouped matmul's shapes and FLOPs, not its arithmetic (compile only)."""
+    del sizes_g
+    return jnp.dot(x_md, w_gdf[0])
+
+
+def _shaped_fwd(x_md, w_gdf, sizes_g):
+    return _shaped(x_md, w_gdf, sizes_g), (x_md, w_gdf)
+
+
+def _shaped_bwd(residuals, g_mf):
+    x_md, w_gdf = residuals
+    dw = jnp.zeros_like(w_gdf).at[0].set(jnp.dot(x_md.T, g_mf).astype(w_gdf.dtype))
+    return jnp.dot(g_mf, w_gdf[0].T), dw, None
+
+
+_shaped.defvjp(_shaped_fwd, _shaped_bwd)
