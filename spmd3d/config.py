@@ -216,6 +216,8 @@ def validate(cfg: Config) -> None:
         _need(getattr(m, name) > 0, f"model.{name}", "must be positive")
     _need(m.dtype == "auto" or m.dtype in DTYPES, "model.dtype",
           f"must be auto or one of {', '.join(DTYPES)}")
+    _need(op.moment_dtype in ("auto", "float32", "bfloat16"), "optim.moment_dtype",
+          "must be auto, float32 or bfloat16")
     _need(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {', '.join(DTYPES)}")
     _need(m.attention in ATTENTION_KERNELS, "model.attention",
           f"must be one of {', '.join(ATTENTION_KERNELS)}")

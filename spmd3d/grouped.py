@@ -84,11 +84,20 @@ def matmul(kernel: str):
     return tokamax.ragged_dot
 
 
+def _dot(a, b, dtype):
+    """a @ b as `dtype`, computed as integers of its width: XLA:CPU computes a 2-byte float
+    dot in fp32 and holds fp32 copies of its operands and result, which a GPU kernel does not;
+    an integer dot it computes as it is. The stand-in needs the shapes, not the values."""
+    ints = {2: jnp.int16, 4: jnp.int32}[jnp.dtype(dtype).itemsize]
+    a, b = (jax.lax.bitcast_convert_type(v.astype(dtype), ints) for v in (a, b))
+    return jax.lax.bitcast_convert_type(jnp.dot(a, b, preferred_element_type=ints), dtype)
+
+
 @jax.custom_vjp
 def _shaped(x_md, w_gdf, sizes_g):
     """The stand-in: a grouped matmul's shapes and FLOPs, not its arithmetic (compile only)."""
     del sizes_g
-    return jnp.dot(x_md, w_gdf[0])
+    return _dot(x_md, w_gdf[0], x_md.dtype)
 
 
 def _shaped_fwd(x_md, w_gdf, sizes_g):
@@ -97,8 +106,8 @@ def _shaped_fwd(x_md, w_gdf, sizes_g):
 
 def _shaped_bwd(residuals, g_mf):
     x_md, w_gdf = residuals
-    dw = jnp.zeros_like(w_gdf).at[0].set(jnp.dot(x_md.T, g_mf).astype(w_gdf.dtype))
-    return jnp.dot(g_mf, w_gdf[0].T), dw, None
+    dw = jnp.zeros_like(w_gdf).at[0].set(_dot(x_md.T, g_mf, w_gdf.dtype))
+    return _dot(g_mf, w_gdf[0].T, x_md.dtype), dw, None
 
 
 _shaped.defvjp(_shaped_fwd, _shaped_bwd)

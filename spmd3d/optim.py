@@ -47,12 +47,20 @@ def decay_mask(params):
     return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float,
-                          eps: float) -> optax.GradientTransformation:
+def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float, eps: float,
+                          moment_dtype: str | None = None) -> optax.GradientTransformation:
     """`optax.clip_by_global_norm(clip_norm)` (none when 0) then `optax.scale_by_adam`, as one
     transform with Adam's state: each parameter's clipped gradient, moments and update are one
-    elementwise expression (a fused loop), the clip factor a scalar inside it."""
+    elementwise expression (a fused loop), the clip factor a scalar inside it. The moments are
+    kept in `moment_dtype` (None: the parameters'), the update computed in fp32 from them."""
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def init(params):
+        state = adam.init(params)
+        if moment_dtype is None:
+            return state
+        cast = lambda tree: jax.tree.map(lambda a: a.astype(moment_dtype), tree)  # noqa: E731
+        return state._replace(mu=cast(state.mu), nu=cast(state.nu))
 
     def update(grads, state, params=None):
         del params
@@ -64,10 +72,14 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float,
         fix1, fix2 = 1 - b1 ** count, 1 - b2 ** count  # bias corrections
 
         def one(g, mu, nu):
+            kept = mu.dtype
             g = g * jnp.asarray(scale, g.dtype)
-            mu = (1 - b1) * g + b1 * mu
-            nu = (1 - b2) * (g * g) + b2 * nu
-            step = (mu / fix1.astype(mu.dtype)) / (jnp.sqrt(nu / fix2.astype(nu.dtype)) + eps)
+            # the step from the moments as kept (rounded): with 2-byte moments, one that read
+            # the old ones again made XLA copy them (the new ones overwrite them in place)
+            mu = ((1 - b1) * g + b1 * mu.astype(g.dtype)).astype(kept)
+            nu = ((1 - b2) * (g * g) + b2 * nu.astype(g.dtype)).astype(kept)
+            m, v = mu.astype(g.dtype), nu.astype(g.dtype)
+            step = (m / fix1.astype(m.dtype)) / (jnp.sqrt(v / fix2.astype(v.dtype)) + eps)
             return step, mu, nu
 
         out = jax.tree.map(one, grads, state.mu, state.nu)
@@ -75,7 +87,7 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float,
                                            jax.tree.structure((0, 0, 0)), out)
         return steps, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(adam.init, update)
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(cfg: OptimConfig, params=None) -> optax.GradientTransformation:
@@ -84,7 +96,8 @@ def make_optimizer(cfg: OptimConfig, params=None) -> optax.GradientTransformatio
     `moe.trainable` says which leaves; `params` is any tree shaped as the parameters), the
     optimizer is masked to the trained leaves: no moments for the rest, whose updates the
     step makes itself."""
-    tx = optax.chain(scale_by_clipped_adam(cfg.clip_norm, cfg.b1, cfg.b2, cfg.eps),
+    moments = None if cfg.moment_dtype == "auto" else cfg.moment_dtype
+    tx = optax.chain(scale_by_clipped_adam(cfg.clip_norm, cfg.b1, cfg.b2, cfg.eps, moments),
                      optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
     if params is None:
         return tx

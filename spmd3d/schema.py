@@ -222,6 +222,9 @@ class OptimConfig:
     b1: float = doc(0.9, "Adam decay of the first moment")
     b2: float = doc(0.95, "Adam decay of the second moment")
     eps: float = doc(1e-8, "Adam epsilon")
+    moment_dtype: str = doc("auto", "dtype Adam's two moments are kept in: auto (the "
+                                    "parameters'), float32, or bfloat16 (half the state; "
+                                    "the update still computed in fp32)")
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,29 @@ def test_clipped_adam_equals_optax(clip):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-12)
 
 
+def test_bf16_moments_halve_the_state_and_follow_fp32s():
+    """optim.moment_dtype=bfloat16: the two moments kept in bf16 (half the optimizer state),
+    the update computed in fp32 from them, within bf16's rounding of the fp32 moments' over
+    three steps."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from spmd3d.optim import scale_by_clipped_adam
+
+    params = {"w": jnp.ones((4, 5)), "norm": {"scale": jnp.ones(7)}}
+    ref, new = (scale_by_clipped_adam(1.0, 0.9, 0.95, 1e-8, d) for d in (None, "bfloat16"))
+    ref_state, new_state = ref.init(params), new.init(params)
+    assert {a.dtype for a in jax.tree.leaves((new_state.mu, new_state.nu))} == {jnp.dtype("bfloat16")}
+    for i in range(3):
+        grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(i), x.shape), params)
+        want, ref_state = ref.update(grads, ref_state, params)
+        got, new_state = new.update(grads, new_state, params)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            assert b.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-2, atol=1e-3)
+
+
 def test_clipping_keeps_no_copy_of_the_gradients():
     """Gradient clipping costs no gradient-sized buffer: 6 layers of d_model 1024 (63 MB of
     fp32 gradients a layer), one device, temporaries with clipping at most a quarter layer

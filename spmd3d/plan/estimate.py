@@ -137,13 +137,16 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("final norm gathered", "gather", ("tensor",), head_tokens * m.d_model * c)
         add("embedding cotangent gathered", "gather", ("tensor",), tokens * m.d_model * F32)
 
-    # an MoE layer inside a pipeline keeps `tensor` automatic (moe.experts_layer), and the
+    # an MoE layer sums its experts' outputs over `tensor` itself (and the transpose its
+    # inputs' gradients), in fp32; inside a pipeline it keeps `tensor` automatic, and the
     # compiler reduces the experts' partial sums over every gathered assignment, [R, D] with
     # R = expert x tokens x min(k, local experts), where the MLP's own reduction would be:
     # forward once, backward twice (the inputs' gradients of gate and up) and once more
     # where the backward recomputes the outputs (the router weights' gradient needs them);
     # read from the HLO of Mixtral 8x22B's compiled step
     ep = mesh.get("expert", 1)
+    if m.is_moe and s is None and t > 1:  # (`manual.psum` sums a narrow float in fp32)
+        add("experts' sums, in fp32", "reduce", ("tensor",), act * (F32 - c) // c, fwd + bwd)
     if experts_auto:
         rows = ep * n * min(m.experts_per_token, m.num_experts // ep)
         add("experts' partial sums", "reduce", ("tensor",), rows * m.d_model * c,
@@ -200,8 +203,11 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     blocks = [k for k in shapes if k.startswith("blocks/")]
     experts = [k for k in blocks if "experts" in shapes[k][1]]  # split over `expert` already
     fp32 = [k for k in blocks if "norm" in k or k.endswith(("router", "mlp/bias", "mlp/probe"))]
+    # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
+    # `manual.vary`)
     for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, ("data",))):
-        layer_bytes = (size([k for k in keys if k not in fp32], rules.compute) * (F32 if s else c)
+        layer_bytes = (size([k for k in keys if k not in fp32], rules.compute)
+                       * (F32 if s or keys is experts else c)
                        + size([k for k in keys if k in fp32], rules.compute) * F32)
         group = math.prod(mesh.get(a, 1) for a in axes)
         add("layer gradients", "reduce-scatter" if sharded else "reduce", axes, layer_bytes,
@@ -217,7 +223,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("embedding cotangents", "all-to-all", batch, n * m.d_model * F32,
             plan.accum_steps)
         add("embedding ids", "gather", batch, n * d * 4, plan.accum_steps)
-        add("embedding gradient", "reduce", rows_split[1:] + ("seq",), embed, times)
+        add("embedding gradient", "reduce",
+            tuple(a for a in rows_split if a not in batch) + ("seq",), embed, times)
     else:
         add("embedding gradient", "reduce", rows_split + ("seq",), embed, times)
 
@@ -226,12 +233,16 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # embedding and head once, or with a pipeline the stage's layers once per step
     state = state_bytes(plan)
     if rules.opt["embed"] is not None and rules.params["embed"] is None:
-        add("updated parameters", "gather", batch, state["parameters"])
+        held = size(experts, rules.params) * pb  # the experts': over their replicas only
+        add("updated parameters", "gather", batch, state["parameters"] - held)
+        add("updated experts", "gather", ("data",), held)
     if rules.params["embed"] is not None:
-        whole = size(blocks, rules.compute) * pb
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
-        add("layers gathered (ZeRO-3)", "gather", batch, whole, uses)
+        dense = [k for k in blocks if k not in experts]
+        add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * pb, uses)
+        add("experts gathered (ZeRO-3)", "gather", ("data",), size(experts, rules.compute) * pb,
+            uses)
         add("embedding and head gathered (ZeRO-3)", "gather", batch,
             size(["embed", "head", "final_norm/scale"], rules.compute) * pb)
     return items
@@ -320,7 +331,9 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"  temporaries {gb(mem['temp_bytes']):>8}   gradients {gb(k['gradients'])}, saved "
         f"activations {gb(k['saved_activations'])}, one layer's backward "
         f"{gb(k['layer_working'] + k['layer_weights'])}, logits/loss {gb(k['logits_loss'])}, pipeline buffers "
-        f"{gb(k['pipeline_buffers'])}" + versus(mem["temp_bytes"], "temp_bytes"),
+        f"{gb(k['pipeline_buffers'])}"
+        + (f", a microbatch's experts' gradients {gb(k['expert_gradients'])}"
+           if k["expert_gradients"] else "") + versus(mem["temp_bytes"], "temp_bytes"),
         f"  needed      {gb(mem['needed_bytes']):>8}   of {topo.device_memory_gb:g} on "
         f"{topo.name}" + ("" if compiled is None else
                           f"   compiled {gb(compiled['needed_bytes'])} (analytic/compiled "

@@ -96,9 +96,11 @@ def state_bytes(plan) -> dict:
         return sum(shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
                    if not (trained and k.endswith(("mlp/bias", "mlp/probe")))) * size
 
+    moments = plan.cfg.optim.moment_dtype
     return {"parameters": total(rules.params, pbytes),
             # two moments and a count, for the trained parameters
-            "optimizer_state": 2 * total(rules.opt, pbytes, trained=True) + 4,
+            "optimizer_state": 2 * total(rules.opt, pbytes if moments == "auto" else
+                                         itemsize(moments), trained=True) + 4,
             "gradients": total(rules.grads, F32)}
 
 
@@ -131,6 +133,21 @@ def layer_weights(plan) -> int:
     c = itemsize(plan.cfg.model.dtype)
     layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
     return layer * ((c if rules.params_over_batch else 0) + c + F32)
+
+
+def expert_gradients(plan) -> int:
+    """MoE without a pipeline: a microbatch's gradient of the experts, whole over their
+    replicas and in fp32 (their shard_map sums it over the token axes, `manual.vary`), beside
+    the accumulator when microbatches accumulate or the gradients are split over data."""
+    m, mesh, rules = plan.cfg.model, dict(plan.mesh.shape), plan.rules
+    if not m.is_moe or plan.schedule is not None:
+        return 0
+    split = rules.grads["expert_embed"] is not None and mesh["data"] > 1
+    if plan.accum_steps == 1 and not split:
+        return 0
+    shapes = param_shapes(m, len(plan.layer_order))
+    return sum(shard_size(*shapes[k], rules.compute, mesh) for k in ("blocks/mlp/w_gate_up",
+                                                                     "blocks/mlp/w_down")) * F32
 
 
 def working_terms(plan) -> dict:
@@ -258,6 +275,7 @@ def memory(plan) -> dict:
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0)
     kinds["layer_weights"] = layer_weights(plan)
+    kinds["expert_gradients"] = expert_gradients(plan)
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
     if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1
@@ -276,7 +294,8 @@ def memory(plan) -> dict:
         peak = max(loss, layer)
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
-            + kinds["gathered_layers"] + kinds["head_gradients"] + peak)
+            + kinds["gathered_layers"] + kinds["head_gradients"] + kinds["expert_gradients"]
+            + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
     return {"by_kind": kinds, "argument_bytes": args, "temp_bytes": temp,
             "needed_bytes": args + temp}
