@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
-# and -3B shapes), the fused attention against the blocked one, a profile's top ops, and the
+# and -3B shapes), the fused attention against the blocked one, an MoE step (MFU by active
+# parameters) and its grouped matmul against a dense one, a profile's top ops, and the
 # planner calibrated on the 1B run then asked to predict the 3B one; with several GPUs, the
 # pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.
 #
@@ -25,12 +26,23 @@ bench() {  # NAME CONFIG [args...]: one bench run, bounded, its record and log u
   timeout "${BENCH_TIMEOUT:-300}" "$py" -m spmd3d.bench "$@" --json > "$out/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
   tail -n 1 "$out/$name.log" > "$out/$name.json"
-  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|collectives)" \
+  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|experts|collectives)" \
     "$out/$name.log" || tail -n 5 "$out/$name.log"
 }
 
 bench gpu_1b configs/gpu_1b.yaml --steps=10 --attention --profile="$out/trace_1b"
 bench gpu_3b configs/gpu_3b.yaml --steps=10
+
+# Mixture-of-Experts on the 1B shape cut to 8 layers: 8 experts of half the MLP's width, top-2
+# (the dense MLP's active FLOPs), beside the dense model of those 8 layers; the experts' kernel
+# as the plan picks it (tokamax when importable: put it and its dependencies on PYTHONPATH, as
+# the machine may have no package index), then forced to jax's ragged_dot and to capacity
+# buffers. `--experts`: the grouped matmul's TFLOP/s against a dense matmul of the same FLOPs.
+moe=(model.num_layers=8 model.num_experts=8 model.experts_per_token=2 model.d_ff_expert=4096)
+bench moe_dense configs/gpu_1b.yaml --steps=10 model.num_layers=8
+bench moe configs/gpu_1b.yaml --steps=10 --experts "${moe[@]}"
+bench moe_ragged configs/gpu_1b.yaml --steps=10 --experts "${moe[@]}" model.expert_kernel=ragged
+bench moe_capacity configs/gpu_1b.yaml --steps=10 --experts "${moe[@]}" model.capacity_factor=1.25
 rm -rf "$out/trace_1b"  # the summary is in the record; the trace itself is large
 
 # With two or more GPUs: the pipeline schedules against each other on the 1B preset, one stage

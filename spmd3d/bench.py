@@ -1,5 +1,5 @@
 """`python -m spmd3d.bench [CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble]
-[--checkpoint] [--attention] [--profile=DIR] [--json]`
+[--checkpoint] [--attention] [--experts] [--profile=DIR] [--json]`
 
 Throughput, MFU, compile time, per-device memory and the collectives of one compiled train
 step, for a named config and mesh. The timed loop runs the step alone: batches are built on
@@ -13,6 +13,8 @@ the pipeline's per-device FLOPs over the unpipelined step's next to the schedule
 `--attention` runs one layer's attention of the config (a device's share of heads and rows)
 through the fused kernel (cuDNN on a GPU; JAX's reference of the same call elsewhere) and the
 blocked one: the largest differences of the output and of the gradients, and the time of each.
+`--experts` (an MoE model) runs one layer's grouped matmul as a device does, through the
+plan's kernel, against a dense matmul of the same FLOPs: the TFLOP/s of each.
 `--profile=DIR` traces two more steps after the timed ones with `jax.profiler` into DIR and
 prints where their time went, per category and per instruction (see `profile.py`).
 With `--json` the last stdout line is one JSON object (`run_bench`'s record) for scripts.
@@ -30,13 +32,14 @@ from pathlib import Path
 from . import cli
 from . import config as config_lib
 from .config import Config, ConfigError
-from .mesh import data_degree, simulate_devices
+from .mesh import simulate_devices
+from .microbench import measure_attention, measure_experts
 from .units import gib
 
 COMMAND = cli.Command(
     prog="python -m spmd3d.bench",
     usage="[CONFIG.yaml] [key=value ...] [--steps=N] [--warmup=N] [--bubble] [--checkpoint] "
-          "[--attention] [--profile=DIR] [--json]",
+          "[--attention] [--experts] [--profile=DIR] [--json]",
     description=("Throughput, MFU, compile time, per-device memory and the collectives of one "
                  "compiled train step of a config on its mesh. The median step time is the "
                  "headline. Exit status 0 done, 2 bad configuration or input (one line), 1 "
@@ -48,6 +51,8 @@ COMMAND = cli.Command(
         cli.Flag("--checkpoint", help="also time checkpoint saves (async, sync) and a restore"),
         cli.Flag("--attention", help="the fused attention kernel against the blocked one: "
                                      "differences and times"),
+        cli.Flag("--experts", help="MoE: the experts' grouped matmul against a dense one of the "
+                                   "same FLOPs: TFLOP/s of each"),
         cli.Flag("--profile", "str", "trace two more steps with jax.profiler into DIR"),
         cli.Flag("--json", help="the last stdout line is the record as one JSON object"),
     ),
@@ -96,57 +101,6 @@ def measure_bubble(cfg: Config) -> dict:
                                parallel={"pipeline_repeats": 1, "remat": remat})
     measured = stack(cfg) * p / stack(base)
     return {"p": p, "m": m, "v": v, "measured": measured, "theory": schedule.flops_ratio}
-
-
-def measure_attention(cfg: Config, repeats: int = 5) -> dict:
-    """The fused kernel (`attention.fused_attention`: cuDNN on a GPU, JAX's reference of the
-    same call elsewhere) against the blocked one on one layer's attention of `cfg` as a device
-    runs it: max |difference| of the output and of dq, dk, dv over the blocked kernel's max
-    |value|, and the median seconds of a forward + backward of each."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from . import attention
-    from .plan import Plan
-
-    plan = Plan.resolve(cfg)
-    m, t, mesh = plan.cfg.model, plan.cfg.train, plan.mesh.shape
-    rows = max(1, t.global_batch // t.microbatches // data_degree(mesh))
-    k, g = m.num_kv_heads // mesh["tensor"], m.num_heads // m.num_kv_heads
-    shapes = [(rows, t.seq_len, k, g, m.dim_per_head)] + [(rows, t.seq_len, k, m.dim_per_head)] * 2
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, kk, v = (jax.random.normal(key, s, m.dtype) for key, s in zip(keys, shapes))
-    ct = jax.random.normal(keys[3], shapes[0], m.dtype)
-    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
-
-    def run(kernel):
-        def loss(q, kk, v):
-            out = kernel(q, kk, v)
-            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), out
-        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
-        result = jax.block_until_ready(step(q, kk, v))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(step(q, kk, v))
-            times.append(time.perf_counter() - start)
-        grads, out = result
-        return [out, *grads], statistics.median(times)
-
-    fused, fused_s = run(lambda *a: attention.fused_attention(*a, implementation=implementation))
-    blocked, blocked_s = run(attention.causal_attention)
-
-    def error(a, b):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-    names = ("out", "dq", "dk", "dv")
-    return {"implementation": implementation, "dtype": m.dtype,
-            "shape": {"rows": rows, "T": t.seq_len, "kv_heads": k, "groups": g,
-                      "head_dim": m.dim_per_head},
-            "error": {n: error(a, b) for n, a, b in zip(names, fused, blocked)},
-            "fused_s": fused_s, "blocked_s": blocked_s}
 
 
 def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
@@ -300,6 +254,12 @@ def format_report(r: dict) -> str:
                      f"blocked {a['blocked_s'] * 1e3:.2f} ms forward + backward, {a['dtype']}, "
                      f"{s['rows']} x {s['T']} tokens, {s['kv_heads']} x {s['groups']} heads of "
                      f"{s['head_dim']}; max |fused - blocked| / max |blocked|: {errors}")
+    if "experts" in r:
+        x = r["experts"]
+        lines.append(f"  experts     grouped matmul ({x['kernel']}) {x['grouped_tflops']:.1f} "
+                     f"TFLOP/s vs dense {x['dense_tflops']:.1f}, forward + backward, {x['dtype']}, "
+                     f"{x['rows']} rows over {x['experts']} experts of {x['d']} x {x['f']}; "
+                     f"max |grouped - loop| / max |loop| {x['error']:.1e}")
     if "bubble" in r:
         b = r["bubble"]
         lines.append(f"  pipeline    p={b['p']} m={b['m']} v={b['v']}: FLOPs x{b['measured']:.4f} "
@@ -325,6 +285,8 @@ def _run(args: cli.Args) -> int:
         record["checkpoint"] = measure_checkpoint(cfg)
     if args.flags.get("--attention"):
         record["attention"] = measure_attention(cfg)
+    if args.flags.get("--experts"):
+        record["experts"] = measure_experts(cfg)
     return cli.report(format_report(record), record, bool(args.flags.get("--json")))
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from spmd3d import config as config_lib
 from spmd3d import hlo, manual, profile
-from spmd3d.bench import format_report, main, measure_attention, measure_checkpoint, run_bench
+from spmd3d.bench import (format_report, main, measure_attention, measure_checkpoint,
+                          measure_experts, run_bench)
 
 TINY = ["model.num_layers=1", "model.d_model=64", "model.num_kv_heads=4", "model.d_ff=128",
         "train.seq_len=32", "train.global_batch=8", "mesh.simulated_devices=0", "mesh.tensor=2"]
@@ -226,3 +227,23 @@ def test_attention_kernels_agree(record):
     assert a["shape"] == {"rows": 2, "T": 32, "kv_heads": 2, "groups": 1, "head_dim": 16}
     assert max(a["error"].values()) < 1e-5 and a["fused_s"] > 0 and a["blocked_s"] > 0
     assert "attention   fused (xla)" in format_report({**r, "attention": a})
+
+
+def test_experts_grouped_matmul_against_a_dense_one(record):
+    """`--experts`: the MoE layer's grouped matmul through the plan's kernel (ragged_dot on a
+    CPU; the capacity path's batched matmul with a capacity factor) equals a loop over the
+    experts, with a device's rows (here its tokens x k over 4 local experts, experts split 2
+    ways: gathered over the 2); both it and the dense matmul are timed; a dense model is
+    refused naming the field."""
+    cfg, r = record
+    moe = config_lib.override(cfg, model=dict(num_experts=8, experts_per_token=2, d_ff_expert=32),
+                              mesh=dict(expert=2))
+    x = measure_experts(moe, repeats=1)
+    # 8 x 32 tokens over 4 data devices, gathered over 2, two choices each; F over tensor 2
+    assert (x["kernel"], x["experts"], x["rows"], x["f"]) == ("ragged", 4, 64 * 2 * 2, 16)
+    assert x["error"] < 1e-5 and x["grouped_tflops"] > 0 and x["dense_tflops"] > 0
+    assert "experts     grouped matmul (ragged)" in format_report({**r, "experts": x})
+    x = measure_experts(config_lib.override(moe, model=dict(capacity_factor=1.25)), repeats=1)
+    assert x["kernel"] == "capacity" and x["error"] < 1e-5
+    with pytest.raises(config_lib.ConfigError, match="model.num_experts"):
+        measure_experts(cfg, repeats=1)

@@ -232,3 +232,34 @@ def test_the_estimate_asks_the_layer_what_it_keeps(layout, monkeypatch):
     finally:
         monkeypatch.undo()
         residuals._trace.cache_clear()
+
+
+@pytest.mark.parametrize("preset", by_layout(["mixtral_8x22b", "qwen3_30b_a3b"]))
+def test_moe_presets_compile_within_a_gpu_and_their_plan(preset):
+    """Mixtral 8x22B at the seeds' layout (2048 devices: tensor 8, stage 4, data 64 with the
+    experts split 8 ways, 1024 sequences of 4096 in 16 microbatches) and Qwen3-30B-A3B on one
+    8-GPU node, compiled at full size (`plan --compile`, in a process of its own for the
+    2048 simulated devices): at most 60 GB a device, each device's expert weights exactly all
+    of them / (expert x tensor x stage), the analytic memory and every axis's collectives
+    within 5 % of the compiled."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-m", "spmd3d.plan", f"configs/{preset}.yaml",
+                          "--compile", "--json"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["needed_bytes"] <= 60e9
+    m, k = r["mesh"], r["by_kind"]
+    assert k["expert_weights"] * m["expert"] * m["tensor"] * m["stage"] == \
+        k["expert_weights_total"]
+    mem = r["estimate_of_compiled"]["memory"]
+    assert mem["needed_bytes"] == pytest.approx(r["needed_bytes"], rel=0.05)
+    analytic = r["estimate_of_compiled"]["collectives"]["result"]
+    for axis, got in r["collective_bytes_per_axis"].items():
+        assert analytic[axis] == pytest.approx(got, rel=0.05), axis

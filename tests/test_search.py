@@ -67,6 +67,24 @@ def test_search_ranks_the_fastest_fitting_zero_stage_of_every_layout(small):
         assert c.estimate == estimate.estimate(search.evaluate(c.plan.cfg, topology).plan)
 
 
+def test_search_lays_out_the_experts_too():
+    """An MoE model's search also varies the expert-parallel degree: every degree that
+    divides data and the expert count is tried, the table says which each layout has, and
+    each ranked layout's figures are its own plan's."""
+    cfg = config.load(None, MODEL + ["mesh.data=4", "mesh.tensor=1", "model.num_experts=4",
+                                     "model.experts_per_token=2", "model.d_ff_expert=1408"])
+    topology = dataclasses.replace(load_topology("h100x8"), device_memory_gb=16.0)
+    meshes = list(search.meshes(cfg, 8, 4))
+    assert {(m["data"], m["expert"]) for m in meshes if m["data"] == 4} == {
+        (4, 1), (4, 2), (4, 4)}
+    lines, record, ranked = search.run(cfg, topology, 4, 5, None)
+    assert {c.plan.cfg.mesh.expert for c in ranked} == {1, 2, 4}
+    assert "expert" in lines[1] and [r["mesh"]["expert"] for r in record["top"]] == [
+        c.plan.cfg.mesh.expert for c in ranked[:5]]
+    for c in ranked[:5]:
+        assert c.estimate == estimate.estimate(search.evaluate(c.plan.cfg, topology).plan)
+
+
 def test_the_published_layouts_fit_and_are_ranked():
     """LLaMA-3 405B on 16,384 H100s: Meta's TP8 PP16 DP128 (16 sequences of 8192 tokens per
     data shard) is among the layouts that fit; the search's first is no slower."""

@@ -237,6 +237,14 @@ def activation_bytes(plan) -> dict:
     # policy kept), the scores a kernel that keeps none computes again, and the projections'
     # output cotangents
     working = kept("none") - kept(inner) + layer.projection_outputs + _kernel_working(plan)
+    m = cfg.model
+    if m.is_moe and s is not None and mesh["tensor"] > 1:
+        # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
+        # (`estimate.transfers`): the backward's three sums of [R, D] (R = expert x tokens x
+        # min(k, local experts)) run as one all-reduce, their results beside their inputs
+        ep = mesh.get("expert", 1)
+        rows = ep * min(m.experts_per_token, m.num_experts // ep)  # per token of the device
+        working += 3 * rows * m.d_model * itemsize(m.dtype)
     if whole:  # the pass being recomputed keeps what its layers' policy saves
         working += (layers if s is None else chunk) * kept(inner)
     # ZB-H1's W waits for its projections' inputs and output gradients

@@ -1,8 +1,9 @@
 """`python -m spmd3d.plan CONFIG --search`: the layouts of a model on a cluster, ranked.
 
 The model and the batch (global batch, sequence length) are the config's; the search varies the
-layout: the mesh (data, stage, tensor, seq), the ZeRO stage, the pipeline's schedule and repeats,
-the microbatches, remat and sequence parallelism. Every candidate the config's checks accept is
+layout: the mesh (data, stage, tensor, seq; for an MoE model its expert-parallel degree too),
+the ZeRO stage, the pipeline's schedule and repeats, the microbatches, remat and sequence
+parallelism. Every candidate the config's checks accept is
 estimated by arithmetic (`estimate.py`, about a millisecond each), those that need more than
 `FIT` of a device's memory are dropped and the rest ranked by predicted step time.
 
@@ -30,18 +31,28 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(cfg: Config, per_node: int, devices: int):
-    """{data, stage, tensor, seq} of every mesh of `devices` with tensor x seq inside a node."""
+    """{data, stage, tensor, seq} of every mesh of `devices` with tensor x seq inside a node;
+    for an MoE model each with every expert-parallel degree (`expert`: dividing data and the
+    expert count)."""
     m, t = cfg.model, cfg.train
     for tensor in _divisors(min(per_node, devices)):
-        if m.num_kv_heads % tensor or m.d_ff % tensor or m.vocab_size % tensor:
+        if m.num_kv_heads % tensor or m.d_ff % tensor or m.vocab_size % tensor or (
+                m.is_moe and m.expert_width % tensor):
             continue
         for seq in _divisors(min(per_node, devices) // tensor):
             if devices % (tensor * seq) or (seq > 1 and t.seq_len % (2 * seq)):
                 continue
             for stage in _divisors(devices // (tensor * seq)):
                 data = devices // (tensor * seq * stage)
-                if stage <= m.num_layers and t.global_batch % data == 0:
-                    yield {"data": data, "stage": stage, "tensor": tensor, "seq": seq}
+                if stage > m.num_layers or t.global_batch % data:
+                    continue
+                mesh = {"data": data, "stage": stage, "tensor": tensor, "seq": seq}
+                if not m.is_moe:
+                    yield mesh
+                    continue
+                for expert in _divisors(data):
+                    if m.num_experts % expert == 0:
+                        yield {**mesh, "expert": expert}
 
 
 def pipelines(cfg: Config, mesh: dict):
@@ -78,7 +89,8 @@ class Candidate:
         """What the layout is, as the config spells it (to find a layout in the ranking)."""
         c = self.plan.cfg
         s = self.plan.schedule
-        return (tuple(self.plan.mesh.shape[a] for a in ("data", "stage", "tensor", "seq")),
+        return ((c.mesh.data, *(self.plan.mesh.shape[a] for a in ("stage", "tensor", "seq")),
+                 c.mesh.expert),
                 c.parallel.zero_stage, c.parallel.sequence_parallel, c.parallel.remat,
                 (s.kind, s.repeats) if s else None, c.train.microbatches)
 
@@ -129,7 +141,9 @@ def describe(c: Candidate) -> dict:
     """One row of the table, as plain data (the JSON record's too)."""
     p, t = c.plan, c.estimate["time"]
     s, par = p.schedule, p.cfg.parallel
-    return {"mesh": dict(p.mesh.shape), "zero": par.zero_stage, "sp": par.sequence_parallel,
+    mesh = {**dict(p.mesh.shape), "data": p.cfg.mesh.data,  # all the data devices
+            **({"expert": p.cfg.mesh.expert} if p.cfg.model.is_moe else {})}
+    return {"mesh": mesh, "zero": par.zero_stage, "sp": par.sequence_parallel,
             "schedule": f"{s.kind} v{s.repeats}" if s else "none",
             "microbatches": p.cfg.train.microbatches, "remat": par.remat,
             "needed_gb": c.needed / 1e9, "step_s": t["step_s"], "mfu": t["mfu"],
@@ -137,14 +151,16 @@ def describe(c: Candidate) -> dict:
             "exposed_comm_s": t["exposed_comm_s"]}
 
 
-HEADER = (f"{'rank':>4}  {'data':>5} {'stage':>5} {'tensor':>6} {'seq':>3}  {'ZeRO':>4}  "
+HEADER = (f"{'rank':>4}  {'data':>5} {'expert':>6} {'stage':>5} {'tensor':>6} {'seq':>3}  "
+          f"{'ZeRO':>4}  "
           f"{'SP':<3}  {'schedule':<9} {'micro':>5}  {'remat':<9} {'GB':>6}  {'step s':>7}  "
           f"{'MFU':>6}   {'bubble':>7} {'recompute':>9} {'comm':>7}")
 
 
 def row(rank, d: dict) -> str:
     m = d["mesh"]
-    return (f"{rank:>4}  {m['data']:>5} {m['stage']:>5} {m['tensor']:>6} {m['seq']:>3}  "
+    return (f"{rank:>4}  {m['data']:>5} {m.get('expert', 1):>6} {m['stage']:>5} {m['tensor']:>6} "
+            f"{m['seq']:>3}  "
             f"{d['zero']:>4}  {'yes' if d['sp'] else 'no':<3}  {d['schedule']:<9} "
             f"{d['microbatches']:>5}  {d['remat']:<9} {d['needed_gb']:>6.1f}  {d['step_s']:>7.3f}  "
             f"{d['mfu']:>6.1%}   {d['bubble_s']:>7.3f} {d['recompute_s']:>9.3f} "
