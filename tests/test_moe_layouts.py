@@ -1,9 +1,10 @@
 """Mixture-of-Experts on 8 simulated devices equals one device (float32, dropless): losses
 at every step and every gradient leaf, with a shared expert, the balancing loss, the z-loss
 and the bias on, for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP, with the
-sequence over the ring, in 1F1B and ZB-H1 pipelines, and ZeRO-3 over the replicas; and a checkpoint
-written at one expert-parallel degree resumed at another. Every layout accumulates 2
-microbatches, as the reference does (the balancing loss is a microbatch's)."""
+sequence over the ring, in 1F1B and ZB-H1 pipelines, and ZeRO-3 over the replicas, under
+every remat policy; and a checkpoint written at one expert-parallel degree resumed at
+another. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
+is a microbatch's)."""
 
 import jax
 import numpy as np
@@ -18,14 +19,17 @@ MOE = ("model.num_experts=8", "model.experts_per_token=2", "model.d_ff_expert=64
        "model.shared_experts=1",
        "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001",
        "model.router_bias_rate=0.01", "train.steps=4", "optim.decay_steps=4")
+# every remat policy among them: none, save_dots, full, and a whole stage's
 LAYOUTS = {
     "ep8": dict(data=8, extra=("mesh.expert=8",)),
     # ZeRO-3 over the replicas: each expert's weights split over the 2 devices that hold it
-    "ep4_x2_zero3": dict(data=8, zero=3, extra=("mesh.expert=4",)),
-    "ep2_dp4_tp2_sp": dict(data=4, tensor=2, sp=True, extra=("mesh.expert=2",)),
-    "ep4_ring2": dict(data=4, seq=2, extra=("mesh.expert=4",)),
-    "ep2_1f1b": dict(data=4, stage=2, extra=("mesh.expert=2", "parallel.pipeline_schedule=1f1b")),
-    "ep2_tp2_sp_zb_h1": dict(data=2, stage=2, tensor=2, sp=True,
+    "ep4_x2_zero3": dict(data=8, zero=3, remat="full", extra=("mesh.expert=4",)),
+    "ep2_dp4_tp2_sp": dict(data=4, tensor=2, sp=True, remat="save_dots",
+                           extra=("mesh.expert=2",)),
+    "ep4_ring2": dict(data=4, seq=2, remat="full", extra=("mesh.expert=4",)),
+    "ep2_1f1b": dict(data=4, stage=2, remat="stage",
+                     extra=("mesh.expert=2", "parallel.pipeline_schedule=1f1b")),
+    "ep2_tp2_sp_zb_h1": dict(data=2, stage=2, tensor=2, sp=True, remat="full",
                              extra=("mesh.expert=2", "parallel.pipeline_schedule=zb_h1")),
 }
 
