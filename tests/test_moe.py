@@ -225,6 +225,51 @@ def test_the_compile_stand_in_has_the_kernels_shapes():
         assert shapes(grouped.matmul("tokamax")) == shapes(jax.lax.ragged_dot)
 
 
+def _poisoning_tokamax(monkeypatch):
+    """A stand-in for tokamax as measured on an H200: exact in the groups, NaN in the rows past
+    them (forward and input gradient), a weight gradient of its own (its Hopper one is wrong,
+    so it must not be called)."""
+    import sys
+    import types
+
+    def past(y, sizes):
+        return jnp.where(jnp.arange(y.shape[0])[:, None] < jnp.sum(sizes), y, jnp.nan)
+
+    fake = types.ModuleType("tokamax")
+    fake.ragged_dot = lambda x, w, sizes: past(jax.lax.ragged_dot(x, w, sizes), sizes)
+
+    def general(a, b, sizes, dims, **kw):
+        assert dims.rhs_group_dimensions, "tokamax's weight gradient called"
+        return past(jax.lax.ragged_dot_general(a, b, sizes, dims, **kw), sizes)
+
+    fake.ragged_dot_general = general
+    monkeypatch.setitem(sys.modules, "tokamax", fake)
+
+
+def test_tokamax_rows_past_the_groups_are_masked_and_its_weight_gradient_is_xlas(monkeypatch):
+    """The layer through tokamax, whose rows past the groups are undefined (up to 211 and NaN
+    were measured) and whose weight gradient is wrong, equals ragged_dot's in value and every
+    gradient, on a device holding half the experts (the other half's assignments are the rows
+    past the groups)."""
+    _poisoning_tokamax(monkeypatch)
+    n, d, x, gate_up, down, weights, experts = _experts(3)
+    half = E // 2
+    ct = jax.random.normal(jax.random.key(9), (n, d))
+
+    def grads(kernel):
+        def loss(*args):
+            return jnp.sum(moe.grouped_ffn(*args, experts, half, kernel) * ct)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(
+            x, gate_up[half:], down[half:], weights)
+
+    want, got = grads("ragged"), grads("tokamax")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    # the masks are what does it: without them tokamax's NaN get through
+    monkeypatch.setattr(grouped, "_in_groups", lambda v, sizes: v)
+    assert np.isnan(np.asarray(grads("tokamax")[0]))
+
+
 def test_expert_weights_per_device_are_the_layouts_share():
     """Mixtral 8x22B at the seeds' layout: each device holds exactly all the experts' weights
     / (expert 8 x tensor 8 x stage 4), from the rules alone (what `plan --compile` reports
