@@ -50,12 +50,13 @@ def computed_fraction(t: int) -> float:
     return (n + 1) / (2 * n)
 
 
-def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
+def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64, segments=None):
     """Causal GQA attention; scores and softmax in fp32. -> out[B, T, K, G, H].
 
     Query block i only looks at key blocks 0..i: the blocks above the diagonal, entirely
     masked, are never computed (about half the score FLOPs and memory at long T). Each query
     block's softmax runs over its whole key prefix, so the result equals dense attention.
+    `segments`[B, T]: a document id per position; a query sees its own document's keys only.
     """
     t = q_btkgh.shape[1]
     n = query_blocks(t, block)
@@ -72,6 +73,9 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64):
         v = v_all[:, : (i + 1) * size].astype(dtype)
         s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
         mask = jnp.arange(size)[:, None] + i * size >= jnp.arange((i + 1) * size)[None, :]
+        if segments is not None:
+            seg_q, seg_k = segments[:, i * size:(i + 1) * size], segments[:, :(i + 1) * size]
+            mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
         p = jax.nn.softmax(jnp.where(mask, s * scale, -jnp.inf), axis=-1).astype(v.dtype)
         outs.append(jnp.einsum("bkgts,bskh->btkgh", p, v))
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
@@ -87,14 +91,17 @@ def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt):
     return jnp.einsum("bkgts,bskh->btkgh", p.astype(v_bskh.dtype), v_bskh)
 
 
-def fused_attention(q_btkgh, k_bskh, v_bskh, implementation: str | None = None):
+def fused_attention(q_btkgh, k_bskh, v_bskh, implementation: str | None = None,
+                    segments=None):
     """Causal GQA attention in one fused kernel: cuDNN flash attention on a GPU (`FUSED`,
     unless `implementation` names another), which never materialises the scores and skips the
-    blocks above the diagonal. -> out[B, T, K, G, H]."""
+    blocks above the diagonal. -> out[B, T, K, G, H]. With `segments`, jax 0.10's call takes
+    no document ids: their mask goes in as a dense [B, 1, T, T] boolean (`choose` warns)."""
     b, t, k, g, h = q_btkgh.shape
+    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     # query head n = k * G + g reads key/value head k: the kernel's GQA grouping
     out = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh, v_bskh,
-                                       is_causal=True,
+                                       mask=mask, is_causal=True,
                                        implementation=implementation or FUSED)
     return out.reshape(q_btkgh.shape)
 
@@ -121,21 +128,24 @@ def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int
     return "cudnn" if requested != "blocked" and why_not is None else "blocked"
 
 
-def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
-    """The attention function `(q, k, v) -> out` of `kind` (see the table above). `ring` needs
-    the ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);
-    `manual`: the caller is per-device over `axis` already."""
+def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
+           segments=None):
+    """The attention function `(q, k, v) -> out` of `kind` (see the table above), with the
+    positions' document ids `segments`[B, T] (packed documents) or None. `ring` needs the
+    ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);
+    `manual`: the caller is per-device over `axis` already (and `segments` are its own)."""
     if kind == "blocked":
-        return causal_attention
+        return lambda q, k, v: causal_attention(q, k, v, segments=segments)
     if kind == "cudnn":
-        return fused_attention
+        return lambda q, k, v: fused_attention(q, k, v, segments=segments)
     if kind not in SPLIT:
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
     if kind == "gather":  # runs in the pipeline's per-device code only (ZB-H1)
         if not manual:
             raise ValueError("gather attention runs inside a shard_map manual over its axis")
-        return lambda q, k, v: gathered_attention_local(q, k, v, axis, mesh.shape[axis])
+        return lambda q, k, v: gathered_attention_local(q, k, v, axis, mesh.shape[axis],
+                                                        segments)
     if manual:
         n = mesh.shape[axis]
-        return lambda q, k, v: ring_attention_local(q, k, v, axis, n)
-    return lambda q, k, v: ring_attention(q, k, v, axis, mesh)
+        return lambda q, k, v: ring_attention_local(q, k, v, axis, n, segments)
+    return lambda q, k, v: ring_attention(q, k, v, axis, mesh, segments)

@@ -11,6 +11,11 @@ K/V of device src = (i - j) mod n:
 so after step 0 each step computes exactly half of a block pair and never a masked block.
 The backward pass (custom VJP) runs the ring again, with dK/dV travelling alongside K/V so
 they arrive home after n shifts; memory is O(local block), not O(sequence).
+
+Packed documents (`segments`[B, T], a document id per position): a query sees only keys of its
+own document. The keys' ids travel with K/V; a half-block where no query sees any key (all
+other documents) is skipped, forward and backward, and a query row that sees nothing in a block
+adds nothing to the online softmax (its own key, in step 0, is always visible).
 Shapes: q[B, T, K, G, H], k/v[B, T, K, H] with T the local length (two chunks of T/2).
 """
 
@@ -39,13 +44,25 @@ def _scores(q, k, scale):
     return jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=F32) * scale
 
 
+def _same(seg_q, seg_k):
+    """[B, 1, 1, T, S]: whether query t and key s are of one document; None without ids."""
+    if seg_q is None:
+        return None
+    return (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
+
+
+def _both(a, b):
+    return b if a is None else a if b is None else a & b
+
+
 def _block_fwd(q, k, v, scale, mask=None):
-    """Unnormalized block output and its row statistics: (o[B,T,K,G,H], m, l[B,K,G,T])."""
+    """Unnormalized block output and its row statistics: (o[B,T,K,G,H], m, l[B,K,G,T]); a row
+    with nothing visible has m = -inf, l = 0 and o = 0."""
     s = _scores(q, k, scale)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
-    p = jnp.exp(s - m[..., None])
+    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
     o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=F32)
     return o, m, jnp.sum(p, axis=-1)
 
@@ -73,48 +90,72 @@ def _local_mask(t, i, n):
     return pos[:, None] >= pos[None, :]
 
 
-def _step_update(acc, q, k, v, src, i, scale):
+def _visible(seg_q, seg_k, src, i):
+    """(the early half-block's mask, the late one's, which of early/late/none to compute):
+    src < i: all queries against the first K/V chunk; src > i: the second query chunk against
+    all K/V; a half-block where no query sees a key (other documents only) is skipped."""
+    if seg_q is None:
+        return None, None, jnp.where(src < i, 0, 1)
+    early = _same(seg_q, _halves(seg_k, 1)[0])
+    late = _same(_halves(seg_q, 1)[1], seg_k)
+    branch = jnp.where(src < i, 0, 1)
+    return early, late, jnp.where(jnp.any(jnp.where(src < i, jnp.any(early), jnp.any(late))),
+                                  branch, 2)
+
+
+def _step_update(acc, q, k, v, seg_q, seg_k, src, i, scale):
     """Merge the visible half-block of ring step with K/V from `src` (src != i)."""
+    mask_early, mask_late, branch = _visible(seg_q, seg_k, src, i)
 
     def early(acc):  # src < i: all queries, first K/V chunk
         k1, v1 = _halves(k, 1)[0], _halves(v, 1)[0]
-        return _merge(acc, _block_fwd(q, k1, v1, scale))
+        return _merge(acc, _block_fwd(q, k1, v1, scale, mask_early))
 
     def late(acc):  # src > i: second query chunk, all K/V
         q2 = _halves(q, 1)[1]
         (o_a, o_b), (m_a, m_b), (l_a, l_b) = _halves(acc[0], 1), _halves(acc[1], 3), _halves(acc[2], 3)
-        o_b, m_b, l_b = _merge((o_b, m_b, l_b), _block_fwd(q2, k, v, scale))
+        o_b, m_b, l_b = _merge((o_b, m_b, l_b), _block_fwd(q2, k, v, scale, mask_late))
         return (jnp.concatenate([o_a, o_b], 1), jnp.concatenate([m_a, m_b], 3),
                 jnp.concatenate([l_a, l_b], 3))
 
-    return jax.lax.cond(src < i, early, late, acc)
+    return jax.lax.switch(branch, [early, late, lambda acc: acc][:3 if seg_q is not None else 2],
+                          acc)
 
 
-def _sources(k, v, axis, n, gather: bool):
-    """(K/V of the first remote step, step(kv, j) -> (K/V of step j's source, what to carry)):
-    on a ring the blocks travel, one `ppermute` per step issued before the compute it
-    overlaps; gathered, every device's block is at hand and step j slices source (i - j) mod n
-    out of the sequence's K/V."""
+def _sources(kv, axis, n, gather: bool):
+    """(the blocks (K, V and the keys' document ids, if any) of the first remote step,
+    step(kv, j) -> (the blocks of step j's source, what to carry)): on a ring the blocks
+    travel, one `ppermute` per step issued before the compute it overlaps; gathered, every
+    device's block is at hand and step j slices source (i - j) mod n out of the sequence's."""
     if not gather:
         shift = [(d, (d + 1) % n) for d in range(n)]
-        return jax.lax.ppermute((k, v), axis, shift), lambda kv, j: (
+        return jax.lax.ppermute(kv, axis, shift), lambda kv, j: (
             kv, jax.lax.ppermute(kv, axis, shift))
-    i, t = jax.lax.axis_index(axis), k.shape[1]
-    every = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v)]
+    i, t = jax.lax.axis_index(axis), kv[0].shape[1]
+    every = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in kv]
     return (), lambda kv, j: (tuple(jax.lax.dynamic_slice_in_dim(x, (i - j) % n * t, t, 1)
                                     for x in every), kv)
 
 
-def _forward(q, k, v, axis, n, gather=False):
+def _blocks(k, v, seg):
+    return (k, v) if seg is None else (k, v, seg)
+
+
+def _seg(blocks):
+    return blocks[2] if len(blocks) > 2 else None
+
+
+def _forward(q, k, v, seg, axis, n, gather=False):
     i = jax.lax.axis_index(axis)
     scale = q.shape[-1] ** -0.5
-    first, step = _sources(k, v, axis, n, gather)  # the first shift in flight meanwhile
-    acc = _block_fwd(q, k, v, scale, _local_mask(q.shape[1], i, n))
+    # the first shift in flight meanwhile
+    first, step = _sources(_blocks(k, v, seg), axis, n, gather)
+    acc = _block_fwd(q, k, v, scale, _both(_local_mask(q.shape[1], i, n), _same(seg, seg)))
 
     def body(carry, j):
         acc, kv = carry
         here, kv = step(kv, j)
-        acc = _step_update(acc, q, here[0], here[1], (i - j) % n, i, scale)
+        acc = _step_update(acc, q, here[0], here[1], seg, _seg(here), (i - j) % n, i, scale)
         return (acc, kv), None
 
     if n > 1:
@@ -138,13 +179,14 @@ def _block_bwd(q, k, v, do, lse, delta, scale, mask=None):
     return dq, dk, dv
 
 
-def _step_grads(q, k, v, do, lse, delta, src, i, scale, grads):
+def _step_grads(q, k, v, do, lse, delta, seg_q, seg_k, src, i, scale, grads):
     """(dq, dk, dv) with the visible half-block of a step with K/V from `src` (src != i)."""
+    mask_early, mask_late, branch = _visible(seg_q, seg_k, src, i)
 
     def early(grads):  # src < i: all queries, first K/V chunk
         dq, dk, dv = grads
         (k1, _), (v1, _) = _halves(k, 1), _halves(v, 1)
-        a, b, c = _block_bwd(q, k1, v1, do, lse, delta, scale)
+        a, b, c = _block_bwd(q, k1, v1, do, lse, delta, scale, mask_early)
         (dk1, dk2), (dv1, dv2) = _halves(dk, 1), _halves(dv, 1)
         return dq + a, jnp.concatenate([dk1 + b, dk2], 1), jnp.concatenate([dv1 + c, dv2], 1)
 
@@ -152,18 +194,20 @@ def _step_grads(q, k, v, do, lse, delta, src, i, scale, grads):
         dq, dk, dv = grads
         (_, q2), (_, do2) = _halves(q, 1), _halves(do, 1)
         (_, lse2), (_, delta2) = _halves(lse, 3), _halves(delta, 3)
-        a, b, c = _block_bwd(q2, k, v, do2, lse2, delta2, scale)
+        a, b, c = _block_bwd(q2, k, v, do2, lse2, delta2, scale, mask_late)
         dq1, dq2 = _halves(dq, 1)
         return jnp.concatenate([dq1, dq2 + a], 1), dk + b, dv + c
 
-    return jax.lax.cond(src < i, early, late, grads)
+    return jax.lax.switch(branch, [early, late, lambda g: g][:3 if seg_q is not None else 2],
+                          grads)
 
 
-def _backward(q, k, v, out, lse, do, axis, n, gather=False):
+def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False):
     i = jax.lax.axis_index(axis)
     scale = q.shape[-1] ** -0.5
     delta = jnp.moveaxis(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 3)  # [B,K,G,T]
-    dq, dk, dv = _block_bwd(q, k, v, do, lse, delta, scale, _local_mask(q.shape[1], i, n))
+    dq, dk, dv = _block_bwd(q, k, v, do, lse, delta, scale,
+                            _both(_local_mask(q.shape[1], i, n), _same(seg, seg)))
     if n == 1:
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     steps = jnp.arange(1, n)
@@ -171,27 +215,27 @@ def _backward(q, k, v, out, lse, do, axis, n, gather=False):
         shift = [(d, (d + 1) % n) for d in range(n)]
 
         def body(carry, j):
-            dq, (k, v, dk, dv) = carry
-            dq, dk, dv = _step_grads(q, k, v, do, lse, delta, (i - j) % n, i, scale,
-                                     (dq, dk, dv))
-            return (dq, jax.lax.ppermute((k, v, dk, dv), axis, shift)), None
+            dq, (dk, dv, *kv) = carry
+            dq, dk, dv = _step_grads(q, *kv[:2], do, lse, delta, seg, _seg(kv), (i - j) % n, i,
+                                     scale, (dq, dk, dv))
+            return (dq, jax.lax.ppermute((dk, dv, *kv), axis, shift)), None
 
-        travelling = jax.lax.ppermute((k, v, dk, dv), axis, shift)
+        travelling = jax.lax.ppermute((dk, dv, *_blocks(k, v, seg)), axis, shift)
         (dq, travelling), _ = jax.lax.scan(body, (dq, travelling), steps, unroll=unroll())
-        _, _, dk, dv = travelling
+        dk, dv = travelling[:2]
     else:  # the sequence's K/V gathered again, its gradients summed back to their devices
-        _, fetch = _sources(k, v, axis, n, gather=True)
+        _, fetch = _sources(_blocks(k, v, seg), axis, n, gather=True)
         t = k.shape[1]
         d_all = [vary(jnp.zeros(x.shape[:1] + (n * t,) + x.shape[2:], F32),
                        varying(jax.typeof(x))) for x in (dk, dv)]
 
         def body(carry, j):
             dq, d_all = carry
-            (k_j, v_j), _ = fetch((), j)
+            here, _ = fetch((), j)
             at = (i - j) % n * t
             held = [jax.lax.dynamic_slice_in_dim(a, at, t, 1) for a in d_all]
-            dq, dk_j, dv_j = _step_grads(q, k_j, v_j, do, lse, delta, (i - j) % n, i, scale,
-                                         (dq, *held))
+            dq, dk_j, dv_j = _step_grads(q, *here[:2], do, lse, delta, seg, _seg(here),
+                                         (i - j) % n, i, scale, (dq, *held))
             d_all = [jax.lax.dynamic_update_slice_in_dim(a, g, at, 1)
                      for a, g in zip(d_all, (dk_j, dv_j))]
             return (dq, d_all), None
@@ -202,8 +246,7 @@ def _backward(q, k, v, out, lse, do, axis, n, gather=False):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gathered_attention_local(q, k, v, axis: str, n: int):
+def gathered_attention_local(q, k, v, axis: str, n: int, segments=None):
     """Per-device causal attention of the local queries (two zig-zag chunks) against the whole
     sequence's K/V, gathered over `axis` (n devices): all-gather context parallelism, as
     LLaMA 3 was trained. Every collective is a gather over the seq group (and, in the backward,
@@ -212,64 +255,61 @@ def gathered_attention_local(q, k, v, axis: str, n: int):
     device of the program, so a ring there deadlocks. The blocks are the ring's, in its order
     and with its online softmax: each step scores the visible half-block of one device's K/V,
     never a masked one, and keeps [T_local, T/n] scores at a time, not [T_local, T]."""
-    return _forward(q, k, v, axis, n, gather=True)[0]
+    return _local(q, k, v, segments, axis, n, True)
 
 
-def _gathered_fwd(q, k, v, axis, n):
-    out, lse = _forward(q, k, v, axis, n, gather=True)
-    return out, (q, k, v, out, lse)
-
-
-def _gathered_bwd(axis, n, res, do):
-    return _backward(*res, do, axis, n, gather=True)
-
-
-gathered_attention_local.defvjp(_gathered_fwd, _gathered_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ring_attention_local(q, k, v, axis: str, n: int):
+def ring_attention_local(q, k, v, axis: str, n: int, segments=None):
     """Per-device causal ring attention, for code already inside a shard_map manual over
-    `axis` (n devices), e.g. the pipeline's."""
-    return _forward(q, k, v, axis, n)[0]
+    `axis` (n devices), e.g. the pipeline's; `segments`: the local positions' document ids."""
+    return _local(q, k, v, segments, axis, n, False)
 
 
-def _local_fwd(q, k, v, axis, n):
-    out, lse = _forward(q, k, v, axis, n)
-    return out, (q, k, v, out, lse)
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _local(q, k, v, seg, axis, n, gather):
+    return _forward(q, k, v, seg, axis, n, gather)[0]
 
 
-def _local_bwd(axis, n, res, do):
-    return _backward(*res, do, axis, n)
+def _local_fwd(q, k, v, seg, axis, n, gather):
+    out, lse = _forward(q, k, v, seg, axis, n, gather)
+    return out, (q, k, v, seg, out, lse)
 
 
-ring_attention_local.defvjp(_local_fwd, _local_bwd)
+def _local_bwd(axis, n, gather, res, do):
+    return (*_backward(*res, do, axis, n, gather), None)
 
 
-def ring_attention(q, k, v, axis: str, mesh):
+_local.defvjp(_local_fwd, _local_bwd)
+
+
+def ring_attention(q, k, v, axis: str, mesh, segments=None):
     """Causal ring attention on global arrays whose T dim (in zig-zag order, see
     `zigzag_order`) is split over mesh axis `axis`; other axes (heads over tensor, batch over
-    data) pass through automatically. The custom VJP wraps the two shard_maps from outside, so
-    the residuals are plain global arrays with explicit layouts (nested inside another
-    shard_map, implicit residual layouts would mix the outer and inner manual axes)."""
+    data) pass through automatically; `segments`[B, T]: document ids, in the same order. The
+    custom VJP wraps the two shard_maps from outside, so the residuals are plain global arrays
+    with explicit layouts (nested inside another shard_map, implicit residual layouts would
+    mix the outer and inner manual axes)."""
     n = mesh.shape[axis]
     seq, row = P(None, axis), P(None, None, None, axis)  # [B, T, ...] and lse[B, K, G, T]
-    fwd_map = jax.shard_map(lambda q, k, v: _forward(q, k, v, axis, n), mesh=mesh,
-                            in_specs=(seq,) * 3, out_specs=(seq, row), axis_names={axis})
-    bwd_map = jax.shard_map(lambda *a: _backward(*a, axis, n), mesh=mesh,
-                            in_specs=(seq, seq, seq, seq, row, seq), out_specs=(seq,) * 3,
+    ids = () if segments is None else (segments,)
+    fwd_map = jax.shard_map(lambda q, k, v, *ids: _forward(q, k, v, *ids or (None,), axis, n),
+                            mesh=mesh, in_specs=(seq,) * (3 + len(ids)), out_specs=(seq, row),
                             axis_names={axis})
+    bwd_map = jax.shard_map(
+        lambda q, k, v, *rest: _backward(q, k, v, *rest[:-3] or (None,), *rest[-3:], axis, n),
+        mesh=mesh, in_specs=(seq,) * (3 + len(ids)) + (seq, row, seq), out_specs=(seq,) * 3,
+        axis_names={axis})
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return fwd_map(q, k, v)[0]
+    def attend(q, k, v, ids):
+        return fwd_map(q, k, v, *ids)[0]
 
-    def attend_fwd(q, k, v):
-        out, lse = fwd_map(q, k, v)
-        return out, (q, k, v, out, lse)
+    def attend_fwd(q, k, v, ids):
+        out, lse = fwd_map(q, k, v, *ids)
+        return out, (q, k, v, ids, out, lse)
 
     def attend_bwd(res, do):
-        return bwd_map(*res, do)
+        q, k, v, ids, out, lse = res
+        return (*bwd_map(q, k, v, *ids, out, lse, do), (None,) * len(ids))
 
     attend.defvjp(attend_fwd, attend_bwd)
-    return attend(q, k, v)
+    return attend(q, k, v, ids)

@@ -235,6 +235,10 @@ class DataConfig:
     # held out from training: the corpus's last tokens, unless eval_path names other data
     eval_fraction: float = doc(0.01, "share of the corpus held out for eval_loss, in [0, 1)")
     eval_path: str = doc("", "held-out data (a file or directory as data.path); empty: split")
+    # packed documents: a window's tokens attend only to their own document's, and the
+    # prediction across an end-of-text token is not trained on (as LLaMA 3 was trained)
+    document_mask: bool = doc(True, "attention stops at end-of-text tokens, where the "
+                                     "tokenizer has one")
 
 
 @dataclass(frozen=True)

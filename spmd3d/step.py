@@ -210,18 +210,42 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
             loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
 
 
+def documents(tokens_bt1, eot: int):
+    """(segments[B, T]: each input position's document within its window, labels[B, T]) of
+    a [B, T+1] token block whose documents end with `eot`: a document holds its end-of-text
+    token, and the label after it (the next document's first token, which nothing in the
+    document predicts) is -1, so each document trains as it would alone."""
+    inputs, labels = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
+    ends = (inputs == eot).astype(jnp.int32)
+    return jnp.cumsum(ends, axis=1) - ends, jnp.where(ends > 0, -1, labels)
+
+
+def label_count(plan: Plan, tokens_bt1):
+    """The labels a [B, T+1] token block trains on: every next token, but those after an
+    end-of-text token with packed documents."""
+    count = tokens_bt1.shape[0] * (tokens_bt1.shape[1] - 1)
+    if plan.eot is None:
+        return count
+    return count - jnp.sum(tokens_bt1[:, :-1] == plan.eot)
+
+
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
     inputs, labels = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
+    segments = None
+    if plan.eot is not None:
+        segments, labels = documents(tokens_bt1, plan.eot)
     positions = np.arange(inputs.shape[1])
     if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
         positions = np.asarray(plan.seq_order)
         inputs, labels = inputs[:, positions], labels[:, positions]
+        segments = None if segments is None else segments[:, positions]
     if plan.pipelined:
         return _pipelined_loss(plan, graphdef, params, inputs, labels, positions), labels.size
     # storage order is canonical without a pipeline
     model, par = nnx.merge(graphdef, params), plan.cfg.parallel
-    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh))
+    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh,
+                               segments=segments))
     run = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
@@ -244,7 +268,7 @@ def make_grad_fn(plan: Plan, graphdef):
         return jax.lax.with_sharding_constraint(g, shardings_for(g, rules.grads, mesh))
 
     def grads_and_loss(params, tokens):
-        count = tokens.shape[0] * (tokens.shape[1] - 1)
+        count = label_count(plan, tokens)
         with activation_rules(rules.compute, mesh, rules.grads):
             if m == 1:
                 (total, _), g = value_and_grad(params, tokens)
@@ -275,7 +299,7 @@ def make_eval_step(plan: Plan, graphdef, shardings: TrainState):
                 return total + loss_sum(plan, graphdef, params, tokens_mb)[0], None
 
             total = jax.lax.scan(one, jnp.zeros((), jnp.float32), microbatches(tokens, m))[0]
-        return total / (tokens.shape[0] * (tokens.shape[1] - 1))
+        return total / label_count(plan, tokens)
 
     return jax.jit(eval_step, in_shardings=(shardings.params, plan.batch_sharding),
                    out_shardings=NamedSharding(plan.mesh, P()))

@@ -65,6 +65,22 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str, t
                        seq=cfg.mesh.seq, hopper=hopper, branched=branched), experts
 
 
+def _document_eot(cfg: Config, pipelined: bool) -> int | None:
+    """The end-of-text id that ends the documents packed in a window (`data.document_mask`),
+    or None: off, a tokenizer without one (bytes), or through a pipeline, which the document
+    masks do not reach yet (`describe` says so). A tokenizer that is not there yet (`convert
+    import` plans the layout before it copies one) has none: the data's loading names it."""
+    if not cfg.data.document_mask or cfg.data.tokenizer == "bytes" or pipelined:
+        return None
+    from ..schema import DataError
+    from ..tokenizer import load
+
+    try:
+        return load(cfg.data.tokenizer).eos_id
+    except DataError:
+        return None
+
+
 @lru_cache(maxsize=1024)
 def _order(fn, *args) -> tuple:
     """fn(*args) as a tuple of ints, once per arguments: a search resolves thousands of plans
@@ -84,6 +100,7 @@ class Plan:
     seq_order: tuple | None  # global position at each place of the token layout (zig-zag)
     attention: str  # an `attention.KINDS` name
     experts: tuple = ()  # MoE: (the experts' kernel, `grouped.KERNELS` or capacity; a warning)
+    eot: int | None = None  # packed documents end at this token (`data.document_mask`), or None
 
     @classmethod
     def resolve(cls, cfg: Config, devices=None, *, topology: str | Topology | None = None) -> "Plan":
@@ -135,6 +152,7 @@ class Plan:
             seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
             attention=attention,
             experts=experts,
+            eot=_document_eot(cfg, schedule is not None),
         )
 
     @property
@@ -208,6 +226,14 @@ class Plan:
                    f"{self.cfg.model.capacity_factor:g}, over capacity dropped"
                    if kernel == "capacity" else "dropless")
             lines.append(f"experts: {kernel} ({how}){'; ' + warning if warning else ''}")
+        if self.eot is not None:
+            dense = (", given to cuDNN as a dense T x T mask (its jax call takes no document "
+                     "ids)" if self.attention == "cudnn" else "")
+            lines.append(f"documents: each attends to itself alone (end of text: id {self.eot})"
+                         f"{dense}")
+        elif self.cfg.data.document_mask and self.pipelined and self.cfg.data.tokenizer != "bytes":
+            lines.append("documents: not masked (document masks do not run through a pipeline "
+                         "yet)")
         if self.schedule:
             lines.append(self.schedule.describe(self.layer_order))
         elif self.accum_steps > 1:
