@@ -128,24 +128,23 @@ def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int
     return "cudnn" if requested != "blocked" and why_not is None else "blocked"
 
 
-def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
-           segments=None):
-    """The attention function `(q, k, v) -> out` of `kind` (see the table above), with the
-    positions' document ids `segments`[B, T] (packed documents) or None. `ring` needs the
+def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
+    """The attention function `(q, k, v, segments=None) -> out` of `kind` (see the table
+    above); `segments`[B, T]: the positions' document ids (packed documents). `ring` needs the
     ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);
-    `manual`: the caller is per-device over `axis` already (and `segments` are its own)."""
+    `manual`: the caller is per-device over `axis` already (and its `segments` its own)."""
     if kind == "blocked":
-        return lambda q, k, v: causal_attention(q, k, v, segments=segments)
+        return lambda q, k, v, segments=None: causal_attention(q, k, v, segments=segments)
     if kind == "cudnn":
-        return lambda q, k, v: fused_attention(q, k, v, segments=segments)
+        return lambda q, k, v, segments=None: fused_attention(q, k, v, segments=segments)
     if kind not in SPLIT:
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
     if kind == "gather":  # runs in the pipeline's per-device code only (ZB-H1)
         if not manual:
             raise ValueError("gather attention runs inside a shard_map manual over its axis")
-        return lambda q, k, v: gathered_attention_local(q, k, v, axis, mesh.shape[axis],
-                                                        segments)
+        return lambda q, k, v, segments=None: gathered_attention_local(
+            q, k, v, axis, mesh.shape[axis], segments)
     if manual:
         n = mesh.shape[axis]
-        return lambda q, k, v: ring_attention_local(q, k, v, axis, n, segments)
-    return lambda q, k, v: ring_attention(q, k, v, axis, mesh, segments)
+        return lambda q, k, v, segments=None: ring_attention_local(q, k, v, axis, n, segments)
+    return lambda q, k, v, segments=None: ring_attention(q, k, v, axis, mesh, segments)

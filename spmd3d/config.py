@@ -20,9 +20,9 @@ import yaml
 
 from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS,  # noqa: F401
                      PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig,
-                     Config, ConfigError, DataConfig, DistConfig, MeshConfig, ModelConfig,
-                     OptimConfig, ParallelConfig, RunConfig, TrainConfig, compute_dtype, doc,
-                     parse_xla_flags)
+                     Config, ConfigError, DataConfig, DataError, DistConfig, MeshConfig,
+                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+                     compute_dtype, doc, parse_mixture, parse_xla_flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +295,11 @@ def validate(cfg: Config) -> None:
         _need(m.vocab_size >= 256, "model.vocab_size", "byte tokens need vocab_size >= 256")
     _need(cfg.run.log_every > 0, "run.log_every", "must be positive")
     _need(0 <= cfg.data.eval_fraction < 1, "data.eval_fraction", "must be in [0, 1)")
+    if cfg.data.mixture:
+        try:
+            parse_mixture(cfg.data.mixture)
+        except DataError as e:
+            raise ConfigError(e.field, e.message) from None
     _need(cfg.run.eval_every >= 0, "run.eval_every", "must be >= 0 (0: never)")
     _need(cfg.run.eval_batches > 0, "run.eval_batches", "must be positive")
     _need(cfg.run.sample_every >= 0, "run.sample_every", "must be >= 0 (0: never)")

@@ -25,7 +25,7 @@ from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .manual import psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
-from .ops import Ops
+from .ops import Ops, apply_block
 from .vocab import embed_lookup, head_logits, loss_chunks, token_shards
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        use_param)
@@ -110,7 +110,7 @@ class Attention(nnx.Module):
         self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
                           out_std, cfg.param_dtype)
 
-    def __call__(self, x_btd, cos, sin, ops: Ops):
+    def __call__(self, x_btd, cos, sin, ops: Ops, segments=None):
         qkv = _project(self, "qkv", x_btd, ops)
         # a split (not three slices): its transpose is one concatenate, not pads and adds
         q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
@@ -127,8 +127,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         with jax.named_scope("kernel"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
-            out = constrain(ops.attend(q, k, v),
-                            ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
+            out = ops.attend(q, k, v) if segments is None else ops.attend(q, k, v, segments)
+            out = constrain(out, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         return _project(self, "o", out, ops)
 
 
@@ -198,7 +198,7 @@ class Block(nnx.Module):
         """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""
         return _project(self.attn if name in Attention.PROJECTIONS else self.mlp, name, x)
 
-    def __call__(self, x_btd, cos, sin, ops: Ops):
+    def __call__(self, x_btd, cos, sin, ops: Ops, segments=None):
         # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
         # Under SP the norms run on T_res-split activations; entering attention or the MLP
         # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
@@ -206,7 +206,7 @@ class Block(nnx.Module):
         res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
         with jax.named_scope("attention"):
             h = constrain(constrain(self.attn_norm(x_btd), res), full)
-            x = constrain(x_btd + self.attn(h, cos, sin, ops), res)
+            x = constrain(x_btd + self.attn(h, cos, sin, ops, segments), res)
         with jax.named_scope("mlp"):
             h = constrain(constrain(self.mlp_norm(x), res), full)
             return constrain(x + self.mlp(h, ops), res)
@@ -266,7 +266,7 @@ class Transformer(nnx.Module):
 
         def apply(params, x, rope, on=None, zeros=None):
             used = ops if zeros is None else ops.tap(zeros)
-            y = nnx.merge(graphdef, params)(x, *rope, used)
+            y = apply_block(nnx.merge(graphdef, params), x, rope, used)
             y = y if on is None else jnp.where(on, y, x)
             return y if zeros is None else (y, used.inputs)
 

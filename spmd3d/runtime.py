@@ -35,7 +35,7 @@ class Job:
     def evals(self):
         """The held-out windows (`data.eval_batches`), built and checked on first use: the
         train loop asks right after the memory check, before the first step."""
-        from .data import eval_batches
+        from .data.loader import eval_batches
 
         if self.held is None:
             raise ValueError("no held-out data: run.eval_every = 0")
@@ -134,22 +134,14 @@ class Job:
 
 def setup(cfg: Config | Plan, devices=None) -> Job:
     """Resolve the plan against the devices and build the sharded step and the data."""
-    from .data import DataError, TokenBatches, held_out, load_tokens
+    from .data.loader import training_data
     from .step import canonical_state, make_train_step, state_shardings
 
     plan = cfg if isinstance(cfg, Plan) else Plan.resolve(cfg, devices)
     cfg = plan.cfg
     graphdef, abstract, shardings = state_shardings(plan)
     step_fn = make_train_step(plan, graphdef, shardings)
-    tokens, held = load_tokens(cfg.data.path, cfg.data.tokenizer), None
-    if cfg.data.eval_path:
-        try:
-            held = load_tokens(cfg.data.eval_path, cfg.data.tokenizer)
-        except DataError as e:
-            raise DataError("data.eval_path", e.message) from None
-    elif cfg.data.eval_fraction:
-        tokens, held = held_out(tokens, cfg.data.eval_fraction)
-    batches = TokenBatches(tokens, cfg.train.seq_len, cfg.train.seed, cfg.model.vocab_size)
+    batches, held = training_data(cfg)
     # read one batch now: bad token ids fail in milliseconds, not after compilation
     batches.batch(0, cfg.train.global_batch)
     return Job(plan, graphdef, abstract, shardings, step_fn, batches, canonical_state(plan),

@@ -5,6 +5,7 @@ re-exports everything here.
 
 from __future__ import annotations
 
+import math
 import re
 
 from dataclasses import dataclass, field
@@ -58,6 +59,27 @@ class DataError(ValueError):
         self.field = field
         self.message = " ".join(str(message).split())  # keep it to one line
         super().__init__(f"{field}: {self.message}")
+
+
+def parse_mixture(spec: str, field: str = "data.mixture") -> list[tuple[str, float]]:
+    """`PATH=WEIGHT,PATH=WEIGHT,...` -> [(path, weight)], refused naming the field when a
+    weight is not a non-negative number or all are zero."""
+    out = []
+    for entry in (e.strip() for e in spec.split(",")):
+        path, sep, weight = entry.rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = None
+        if not sep or not path.strip() or value is None or not math.isfinite(value):
+            raise DataError(field, f"{entry!r} is not PATH=WEIGHT (sources are "
+                                   "PATH=WEIGHT,PATH=WEIGHT,...)")
+        if value < 0:
+            raise DataError(field, f"{path.strip()}'s weight {weight} is negative")
+        out.append((path.strip(), value))
+    if not sum(w for _, w in out) > 0:
+        raise DataError(field, "every weight is zero")
+    return out
 
 
 def doc(default, help: str):
@@ -237,6 +259,8 @@ class DataConfig:
     eval_path: str = doc("", "held-out data (a file or directory as data.path); empty: split")
     # packed documents: a window's tokens attend only to their own document's, and the
     # prediction across an end-of-text token is not trained on (as LLaMA 3 was trained)
+    # several sources by weight, each with its held-out part (data.eval_fraction of it)
+    mixture: str = doc("", "sources by weight instead of data.path: PATH=WEIGHT,PATH=WEIGHT,...")
     document_mask: bool = doc(True, "attention stops at end-of-text tokens, where the "
                                      "tokenizer has one")
 

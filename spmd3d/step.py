@@ -136,7 +136,7 @@ def _gather_blocks(blocks):
     return jax.tree.map(gather, blocks, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
+def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, segments=None):
     """Summed loss through the pipeline. The microbatches are laid out over the stages
     ([p, mb, n, T] by `Schedule.feed` and `collect`), so the embedding before the pipeline
     and the head and loss after it run on the whole mesh, each stage taking its share of the
@@ -179,12 +179,16 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
         return a.reshape((p, -1, n) + a.shape[1:])
 
     tokens, rope = slots(inputs, 0, collect=False), model.rope(positions)
+    # packed documents: each microbatch's ids, on every stage ([m, mb, T], as the labels)
+    per_mb = NamedSharding(plan.mesh, P(None, data, rules.compute["length"]))
+    segments = None if segments is None else jax.lax.with_sharding_constraint(
+        microbatches(segments, m), per_mb)
     with activation_rules(outer, plan.mesh, rules.grads):
         x = unrows(model.embed_tokens(rows(tokens)), tokens.shape[2])
     # inside the pipeline's shard_map, constraints resolve against its context mesh
     grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
     where = dict(active=plan.active, batch_axis=batch_axis, seq_axis=seq_axis,
-                 stage_remat=par.remat == "stage")
+                 stage_remat=par.remat == "stage", segments=segments)
 
     def gpipe_loss(blocks, head, x):  # the GPipe forward, then the head and loss on every stage
         with activation_rules(inner, None, grads):
@@ -198,8 +202,7 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
         return gpipe_loss(blocks, model.head_weights(), x)
     # 1F1B and ZB-H1: the head runs on the last stage inside the schedule, which needs every
     # label there
-    labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), NamedSharding(
-        plan.mesh, P(None, data, rules.compute["length"])))
+    labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), per_mb)
     # ZB-H1 splits each layer's backward with the ops tapped
     split = ops_lib.split(model, ops)
     with activation_rules(inner, None, grads):
@@ -210,47 +213,46 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions):
             loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
 
 
-def documents(tokens_bt1, eot: int):
-    """(segments[B, T]: each input position's document within its window, labels[B, T]) of
-    a [B, T+1] token block whose documents end with `eot`: a document holds its end-of-text
-    token, and the label after it (the next document's first token, which nothing in the
-    document predicts) is -1, so each document trains as it would alone."""
-    inputs, labels = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
+def labelled(tokens_bt1, eot: int | None):
+    """(inputs[B, T], labels[B, T], segments[B, T] or None) of a [B, T+1] token block. A token
+    stored as -(id + 1) is not trained on as a label (chat data: the prompts'); with packed
+    documents ending in `eot`, each input position's document within the window (a document
+    holds its end-of-text token), and the label after an end of text (the next document's
+    first token, which nothing in the document predicts) is not trained on either, so each
+    document trains as it would alone. A label not trained on is -1."""
+    ids = jnp.where(tokens_bt1 < 0, -tokens_bt1 - 1, tokens_bt1)
+    inputs, labels = ids[:, :-1], jnp.where(tokens_bt1[:, 1:] < 0, -1, ids[:, 1:])
+    if eot is None:
+        return inputs, labels, None
     ends = (inputs == eot).astype(jnp.int32)
-    return jnp.cumsum(ends, axis=1) - ends, jnp.where(ends > 0, -1, labels)
+    return inputs, jnp.where(ends > 0, -1, labels), jnp.cumsum(ends, axis=1) - ends
 
 
 def label_count(plan: Plan, tokens_bt1):
-    """The labels a [B, T+1] token block trains on: every next token, but those after an
-    end-of-text token with packed documents."""
-    count = tokens_bt1.shape[0] * (tokens_bt1.shape[1] - 1)
-    if plan.eot is None:
-        return count
-    return count - jnp.sum(tokens_bt1[:, :-1] == plan.eot)
+    """How many labels a [B, T+1] token block trains on (`labelled`)."""
+    return jnp.sum(labelled(tokens_bt1, plan.eot)[1] >= 0)
 
 
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
-    inputs, labels = tokens_bt1[:, :-1], tokens_bt1[:, 1:]
-    segments = None
-    if plan.eot is not None:
-        segments, labels = documents(tokens_bt1, plan.eot)
+    inputs, labels, segments = labelled(tokens_bt1, plan.eot)
     positions = np.arange(inputs.shape[1])
     if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
         positions = np.asarray(plan.seq_order)
         inputs, labels = inputs[:, positions], labels[:, positions]
         segments = None if segments is None else segments[:, positions]
     if plan.pipelined:
-        return _pipelined_loss(plan, graphdef, params, inputs, labels, positions), labels.size
+        return _pipelined_loss(plan, graphdef, params, inputs, labels, positions,
+                               segments), labels.size
     # storage order is canonical without a pipeline
     model, par = nnx.merge(graphdef, params), plan.cfg.parallel
-    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh,
-                               segments=segments))
+    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh))
     run = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
                              prevent_cse=False)
-    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), model.rope(positions))
+    consts = tuple(model.rope(positions)) + (() if segments is None else (segments,))
+    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), consts)
     return model.loss(x, labels, par.loss_chunk)
 
 

@@ -79,6 +79,12 @@ class HF:
         """Many texts at once, on all cores (the library's own thread pool)."""
         return [e.ids for e in self._tok.encode_batch(texts)]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, each one's character span) of text that writes its own special tokens (a
+        chat template's output): nothing added, as transformers tokenizes a rendered chat."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 

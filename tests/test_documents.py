@@ -12,7 +12,7 @@ import pytest
 from helpers import by_layout, bpe_dir, job_for, small_config, start_state
 from spmd3d import config
 from spmd3d.plan import Plan
-from spmd3d.step import documents, loss_sum, make_grad_fn
+from spmd3d.step import labelled, loss_sum, make_grad_fn
 from spmd3d.store import flat
 
 EOT = 3
@@ -31,11 +31,14 @@ def packed_batch(rows: int, length: int, seed: int = 0) -> np.ndarray:
 
 
 def test_documents_and_their_labels():
-    """Each input position's document id, and -1 for the label after an end of text."""
-    tokens = jnp.array([[5, 6, EOT, 7, EOT, EOT, 8, 9]])
-    segments, labels = documents(tokens, EOT)
+    """Each input position's document id, and -1 for the label after an end of text and for
+    a token stored as -(id + 1) (not trained on), which is read back as its id."""
+    tokens = jnp.array([[5, 6, EOT, 7, EOT, EOT, -9, 9]])
+    inputs, labels, segments = labelled(tokens, EOT)
+    assert inputs.tolist() == [[5, 6, EOT, 7, EOT, EOT, 8]]
     assert segments.tolist() == [[0, 0, 0, 1, 1, 2, 3]]
     assert labels.tolist() == [[6, EOT, -1, EOT, -1, -1, 9]]
+    assert labelled(tokens, None)[1].tolist() == [[6, EOT, 7, EOT, EOT, -1, 9]]
 
 
 def _packed_plan(cfg):
@@ -76,6 +79,11 @@ LAYOUTS = {
     "dp4_ring2": dict(data=4, seq=2),
     "dp2_ring4": dict(data=2, seq=4),
     "dp2_tp2_ring2_micro2": dict(data=2, tensor=2, seq=2, micro=2),
+    "pp2_gpipe_dp2_tp2": dict(stage=2, data=2, tensor=2, micro=4),
+    "pp2_1f1b_ring2_dp2": dict(stage=2, seq=2, data=2, micro=4,
+                               extra=("parallel.pipeline_schedule=1f1b",)),
+    "pp2_zb_h1_gather2_dp2": dict(stage=2, seq=2, data=2, micro=4,
+                                  extra=("parallel.pipeline_schedule=zb_h1",)),
 }
 
 
@@ -90,7 +98,8 @@ def _loss_and_grads(cfg, batch):
 def test_packed_documents_on_8_devices_equal_one(name):
     """The mean loss over the trained labels and every gradient of a batch of packed windows
     on 8 devices (blocked attention with tensor and SP; the zig-zag ring over 2 and 4; with
-    accumulation) equal one device's (1e-5)."""
+    accumulation; through GPipe, 1F1B with the ring and ZB-H1 with all-gathered K/V) equal
+    one device's (1e-5)."""
     cfg = small_config(**LAYOUTS[name])
     batch = packed_batch(cfg.train.global_batch, cfg.train.seq_len + 1)
     ref_loss, ref = _loss_and_grads(small_config(), batch)
@@ -101,8 +110,8 @@ def test_packed_documents_on_8_devices_equal_one(name):
 
 
 def test_the_plan_masks_documents_where_the_tokenizer_ends_them(tmp_path):
-    """On by default where the tokenizer has an end-of-text id, not with bytes, not when
-    turned off; through a pipeline not yet, which the plan says."""
+    """On by default where the tokenizer has an end-of-text id (through a pipeline too), not
+    with bytes, not when turned off."""
     tok = str(bpe_dir(tmp_path / "tok"))
 
     def plan(*extra, devices=1):
@@ -115,4 +124,20 @@ def test_the_plan_masks_documents_where_the_tokenizer_ends_them(tmp_path):
     assert masked.eot == 1 and "end of text: id 1" in masked.describe()
     assert plan(f"data.tokenizer={tok}", "data.document_mask=false").eot is None
     piped = plan("mesh.stage=2", "train.microbatches=2", f"data.tokenizer={tok}", devices=2)
-    assert piped.eot is None and "not masked" in piped.describe()
+    assert piped.eot == 1
+
+
+def test_without_the_mask_the_loss_is_every_next_tokens_cross_entropy():
+    """Masking off (the demo's bytes): the step's mean loss is the plain next-token
+    cross-entropy of the model's own logits at every position, as before packed documents."""
+    cfg = small_config()
+    job = job_for(cfg)
+    assert job.plan.eot is None
+    params = start_state(cfg).params
+    batch = packed_batch(4, cfg.train.seq_len + 1)
+    loss = float(jax.jit(make_grad_fn(job.plan, job.graphdef))(params, jnp.asarray(batch))[0])
+    from flax import nnx
+
+    logits = nnx.merge(job.graphdef, params)(jnp.asarray(batch[:, :-1]))
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], axis=-1)
+    assert abs(loss - float(jnp.mean(nll))) <= 1e-5 * loss

@@ -1,6 +1,7 @@
 """The README's fine-tuning walk-through, command by command, on a tiny random LLaMA with a
-real (byte-level BPE) tokenizer: import -> prepare text -> train -> generate -> export, and the
-export loads in transformers (model and tokenizer) with the trained weights."""
+real (byte-level BPE) tokenizer: import -> prepare text -> train -> prepare conversations ->
+fine-tune on them -> generate -> export, and the export loads in transformers (model and
+tokenizer) with the trained weights."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from helpers import DOCS, bpe_dir
+from test_chat import TALK, TEMPLATE
 from spmd3d import checkpoint
 
 
@@ -46,6 +48,18 @@ def test_import_train_generate_export(tmp_path):
     out = command("spmd3d.train", "runs/tiny/config.yaml", "data.path=runs/tiny/tokens.bin",
                   "train.steps=4", "run.eval_every=0", "run.sample_every=4", cwd=tmp_path)
     assert "resumed at step 0" in out and "sample at step 4:\ndef" in out
+    # chat fine-tuning on conversations, through the model's chat template (an Instruct
+    # model's tokenizer_config.json has one), trained on the assistant's turns alone
+    config = tmp_path / "runs" / "tiny" / "hf" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "bos_token": "<|begin_of_text|>", "chat_template": TEMPLATE}))
+    (tmp_path / "my_chats.jsonl").write_text("".join(json.dumps({"messages": t[:k]}) + "\n"
+                                                     for k in (3, 5) for t in [TALK] * 3))
+    command("spmd3d.data", "prepare", "--chat", "my_chats.jsonl", "runs/tiny/chat.npy",
+            "--tokenizer", "runs/tiny/hf", "--seq-len", "255", cwd=tmp_path)
+    out = command("spmd3d.train", "runs/tiny/config.yaml", "data.path=runs/tiny/chat.npy",
+                  "train.seq_len=255", "train.steps=6", "run.eval_every=0", cwd=tmp_path)
+    assert "resumed at step 4" in out
     out = command("spmd3d.generate", "runs/tiny", "--prompt", "def add", "--max-new", "6",
                   cwd=tmp_path)
     assert out.startswith("def add")

@@ -83,3 +83,50 @@ def test_bad_input_is_one_line_and_exit_2(argv, blamed, corpus, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {blamed}") and "\n" not in err, err
     assert not list(tmp_path.glob("out.*"))
+
+
+def test_jsonl_and_parquet_give_the_text_files_tokens(tmp_path, corpus):
+    """The same documents as JSONL lines (a named field) and as Parquet rows (a column) give
+    the tokens the text files give, end-of-text tokens included."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok_dir = str(bpe_dir(tmp_path / "tok"))
+    texts = [DOCS["a.txt"], DOCS["sub/b.md"]]
+    want = tmp_path / "want.bin"
+    assert prepare_cmd.main(["prepare", str(corpus), str(want), f"--tokenizer={tok_dir}"]) == 0
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"id": i, "body": t}) + "\n\n" for i, t in enumerate(texts)))
+    pq.write_table(pa.table({"id": [0, 1], "body": texts}), tmp_path / "docs.parquet")
+    for name in ("docs.jsonl", "docs.parquet"):
+        out = tmp_path / f"{name}.bin"
+        assert prepare_cmd.main(["prepare", str(tmp_path / name), str(out), "--field=body",
+                                 f"--tokenizer={tok_dir}"]) == 0
+        assert np.fromfile(out, np.uint16).tolist() == np.fromfile(want, np.uint16).tolist()
+
+
+@pytest.mark.parametrize("content,blamed", [
+    ('{"text": "one"}\n{"text": "two"\n', "docs.jsonl:2: not a JSON object"),
+    ('{"text": "one"}\n\n["a list"]\n', "docs.jsonl:3: not a JSON object (a list)"),
+    ('{"text": "one"}\n{"body": "two"}\n', "docs.jsonl:2: no text in field 'text'"),
+    ('{"text": 5}\n', "docs.jsonl:1: field 'text' is a int"),
+    ("PARQUET", "docs.parquet: no column 'text' (its columns: body)")])
+def test_unreadable_documents_are_named_by_file_and_line(content, blamed, tmp_path, capsys):
+    """A malformed JSONL line, a missing field or a missing Parquet column: one line naming
+    the file and the line, exit 2, and no output at all (not even a partial one)."""
+    if content == "PARQUET":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"body": ["x"]}), tmp_path / "docs.parquet")
+        name = "docs.parquet"
+    else:
+        name = "docs.jsonl"
+        (tmp_path / name).write_text(content)
+    out = tmp_path / "out.bin"
+    assert prepare_cmd.main(["prepare", str(tmp_path / name), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {tmp_path}/") and blamed in err and "\n" not in err, err
+    assert not list(tmp_path.glob("out.*"))

@@ -117,8 +117,10 @@ def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
         suffix = p.suffix.lower()
         if suffix == ".npy":
             arr = np.load(p, mmap_mode="r", allow_pickle=False)
-            if arr.ndim != 1 or arr.dtype.kind not in "ui":
-                raise DataError("data.path", f"{path!r} must hold a 1-D integer array, got {arr.dtype} {arr.shape}")
+            if arr.ndim not in (1, 2) or arr.dtype.kind not in "ui":
+                raise DataError("data.path", f"{path!r} must hold a 1-D integer array (a token "
+                                             f"stream) or a 2-D one (windows), got {arr.dtype} "
+                                             f"{arr.shape}")
             return _nonempty(arr, path)
         if suffix in (".bin", ".u16", ".u32"):
             dtype = np.uint32 if suffix == ".u32" else np.uint16
@@ -133,28 +135,32 @@ def load_tokens(path: str, tokenizer: str = "bytes") -> np.ndarray:
 
 
 def held_out(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, held-out tokens): the last `fraction` of the corpus held out, so no
-    training window (which reads only its own part) overlaps a held-out one. Views, no copy."""
+    """(training tokens, held-out tokens): the last `fraction` of the corpus (of its windows,
+    for packed windows) held out, so no training window (which reads only its own part)
+    overlaps a held-out one. Views, no copy."""
     cut = tokens.shape[0] - int(tokens.shape[0] * fraction)
     return tokens[:cut], tokens[cut:]
 
 
-def eval_batches(held: np.ndarray, cfg) -> "TokenBatches":
-    """The held-out windows: `run.eval_batches` global batches of distinct windows, always the
-    same ones (the batches of steps 0, 1, ... of the held-out data)."""
-    t, field = cfg.train, "data.eval_path" if cfg.data.eval_path else "data.eval_fraction"
-    need = cfg.run.eval_batches * t.global_batch
-    have = (held.shape[0] - 1) // t.seq_len if held.shape[0] else 0
-    if have < need:
-        raise DataError(field, f"the held-out data has {have} windows of seq_len + 1 = "
-                               f"{t.seq_len + 1} tokens; run.eval_batches = "
-                               f"{cfg.run.eval_batches} batches of {t.global_batch} need {need} "
-                               "(hold out more, or lower run.eval_batches)")
-    return TokenBatches(held, t.seq_len, t.seed, cfg.model.vocab_size)
+def samples(step: int, global_batch: int, process_index: int = 0,
+            process_count: int = 1) -> np.ndarray:
+    """The global sample indices of this process's rows of step `step`'s batch: rows
+    ``process_index * b_local ...`` of samples ``step * global_batch ...``."""
+    if global_batch < 1 or global_batch % process_count:
+        raise DataError("train.global_batch", f"global_batch {global_batch} must be a positive "
+                                              f"multiple of the process count {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    b_local = global_batch // process_count
+    return step * global_batch + process_index * b_local + np.arange(b_local, dtype=np.int64)
 
 
 class TokenBatches:
-    """Fixed-length training windows drawn from a 1-D token array.
+    """Fixed-length training windows drawn from a 1-D token array, or given as the rows of a
+    2-D one (packed examples, `data prepare --chat`: each row one window of `seq_len + 1`
+    tokens, a token not trained on as a label stored as -(id + 1)).
 
     The corpus is cut into ``W = (N - 1) // seq_len`` non-overlapping windows of ``seq_len + 1``
     tokens (stride ``seq_len``, so consecutive windows share one token and every token but the
@@ -170,10 +176,16 @@ class TokenBatches:
 
     _PERM_CACHE = 2  # a batch usually touches one epoch, at most two at an epoch boundary
 
-    def __init__(self, tokens, seq_len: int, seed: int, vocab_size: int):
+    def __init__(self, tokens, seq_len: int, seed: int, vocab_size: int,
+                 stream: int | None = None):
         tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
-            raise DataError("data.path", f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        if tokens.ndim not in (1, 2) or tokens.dtype.kind not in "ui":
+            raise DataError("data.path", f"tokens must be a 1-D or 2-D integer array, got "
+                                         f"{tokens.dtype} {tokens.shape}")
+        if tokens.ndim == 2 and tokens.shape[1] != int(seq_len) + 1:
+            raise DataError("train.seq_len", f"the data's windows are {tokens.shape[1]} tokens "
+                                             f"(seq_len + 1): train.seq_len must be "
+                                             f"{tokens.shape[1] - 1}, not {seq_len}")
         if int(seq_len) < 1:
             raise DataError("train.seq_len", f"seq_len must be >= 1, got {seq_len}")
         if int(vocab_size) < 1:
@@ -181,8 +193,10 @@ class TokenBatches:
         self.tokens = tokens
         self.seq_len = int(seq_len)
         self.seed = int(seed)
+        self.stream = stream  # a mixture's source: its own permutations for the same seed
         self.vocab_size = int(vocab_size)
-        self.num_windows = (tokens.shape[0] - 1) // self.seq_len
+        self.num_windows = tokens.shape[0] if tokens.ndim == 2 else \
+            (tokens.shape[0] - 1) // self.seq_len
         if self.num_windows < 1:
             raise DataError("train.seq_len", f"corpus has {tokens.shape[0]} tokens, fewer than one window of "
                                              f"seq_len + 1 = {self.seq_len + 1}")
@@ -192,7 +206,8 @@ class TokenBatches:
         """Window order of ``epoch``; the last couple are cached since steps walk epochs in order."""
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            key = [self.seed, epoch] + ([] if self.stream is None else [self.stream])
+            perm = np.random.default_rng(key).permutation(self.num_windows)
             if len(self._perms) >= self._PERM_CACHE:
                 self._perms.pop(next(iter(self._perms)))
             self._perms[epoch] = perm
@@ -200,17 +215,12 @@ class TokenBatches:
 
     def window_ids(self, step: int, global_batch: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
         """Window index of each row of this process's slice of the step's global batch."""
-        if global_batch < 1 or global_batch % process_count:
-            raise DataError("train.global_batch", f"global_batch {global_batch} must be a positive multiple "
-                                                  f"of the process count {process_count}")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        b_local = global_batch // process_count
-        k = step * global_batch + process_index * b_local + np.arange(b_local, dtype=np.int64)
+        return self.windows_at(samples(step, global_batch, process_index, process_count))
+
+    def windows_at(self, k: np.ndarray) -> np.ndarray:
+        """The window of each global sample index in `k` (the k-th window this data gives)."""
         epochs, pos = np.divmod(k, self.num_windows)
-        ids = np.empty(b_local, dtype=np.int64)
+        ids = np.empty(k.shape, dtype=np.int64)
         for e in np.unique(epochs):
             sel = epochs == e
             ids[sel] = self.permutation(int(e))[pos[sel]]
@@ -224,9 +234,19 @@ class TokenBatches:
         (possibly memory-mapped) token array, with one vectorized gather. Token ids are range-checked
         here, per batch, because scanning a huge memory-mapped corpus up front would be slow.
         """
-        ids = self.window_ids(step, global_batch, process_index, process_count)
-        index = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
-        rows = np.asarray(self.tokens[index])
+        return self.rows(self.window_ids(step, global_batch, process_index, process_count), step)
+
+    def rows(self, ids: np.ndarray, step: int) -> np.ndarray:
+        """int32 [len(ids), seq_len + 1]: the windows `ids`, their ids range-checked."""
+        if self.tokens.ndim == 2:
+            order = np.argsort(ids)  # a memory map reads sorted rows best
+            rows = np.empty((ids.size, self.seq_len + 1), self.tokens.dtype)
+            rows[order] = self.tokens[ids[order]]
+            flagged = rows < 0
+            rows = np.where(flagged, -rows.astype(np.int64) - 1, rows)
+        else:
+            index = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
+            rows, flagged = np.asarray(self.tokens[index]), None
         if rows.size:
             hi = rows.max()
             if hi >= self.vocab_size:
@@ -234,4 +254,5 @@ class TokenBatches:
                                              f"(step {step}, window {int(ids[(rows >= self.vocab_size).any(1)][0])})")
             if rows.dtype.kind == "i" and rows.min() < 0:
                 raise DataError("data.path", f"negative token id {int(rows.min())} (step {step})")
-        return rows.astype(np.int32)
+        rows = rows.astype(np.int32)
+        return rows if flagged is None else np.where(flagged, -rows - 1, rows)

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..manual import psum, select, store_if, unroll, vary, varying
+from ..manual import select, store_if, unroll, vary, varying
 from ..sharding import flat_axes as _flat, stack_specs
 from .table import BACKWARD, END, FORWARD, FULL, IDLE, OP, WEIGHT, Table
-from .worker import Worker, head_grads
+from .worker import Worker, consts_of, head_grads, stage_results
 
 
 def rings(p: int) -> tuple[list, list]:
@@ -63,7 +63,7 @@ def _feed(x_in, feed, put):
 
 
 def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, active=None,
-            batch_axis=None, seq_axis=None, stage_remat: bool = False):
+            batch_axis=None, seq_axis=None, stage_remat: bool = False, segments=None):
     """Every microbatch of `x_in` carried through all layers by an autodiff table (GPipe):
     the training forward pass, whose autodiff is the backward pipeline.
 
@@ -71,8 +71,9 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
     stage s holds the microbatches `Schedule.feed()[:, s]` of the input and
     `Schedule.collect()[:, s]` of the output (slot j at [s, :, j]). `blocks`: the stacked
     layers in storage order ([L, ...] leaves); `consts`: [1, T, ...] (RoPE tables); `active`:
-    None, or which stored layer slots hold a layer. Every stage applies
-    `stage(chunk, x, consts, active) -> x` to one chunk at every slot.
+    None, or which stored layer slots hold a layer; `segments`: None, or packed documents'
+    ids per microbatch [m, mb, T]. Every stage applies `stage(chunk, x, consts, active) -> x`
+    to one chunk at every slot (consts: the tables, and the microbatch's ids).
 
     What the backward keeps per slot: with one chunk per stage the chunk is picked statically,
     so its weights are loop-invariant and never saved per slot. With v > 1 the chunk is picked
@@ -95,7 +96,7 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
         run_stage = jax.checkpoint(run_stage, prevent_cse=False,
                                    policy=jax.checkpoint_policies.nothing_saveable)
 
-    def per_stage(chunks, x_in, consts):
+    def per_stage(chunks, x_in, consts, segments):
         # chunks[1, v, c, ...]: this stage's v chunks; x_in[1, mb, n, T, D]: its microbatches
         chunks, x_in = jax.tree.map(lambda a: a[0], chunks), x_in[0]
         chunks = jax.tree.map(lambda a: vary(a, _flat(batch_axis, seq_axis)), chunks)
@@ -107,7 +108,7 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
             feed = _feed(x_in, feed, end["put"])
             x = select(op["x_at"] < 0, feed, _take(inbox, op["x_at"]))
             c = jnp.maximum(op["chunk"], 0)
-            y = run_stage(chunks, x, c, consts)
+            y = run_stage(chunks, x, c, consts_of(consts, segments, op["mb"]))
             # the last virtual stage's output goes on the belt back to the stage keeping it
             ret = select((op["kind"] == FORWARD) & (s == p - 1) & (c == v - 1), y, ret)
             out = _put(True, out, end["keep"], ret, axis=1)
@@ -125,8 +126,10 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
     manual = set(_flat(axis, batch_axis, seq_axis))
     specs = stack_specs(chunks, axis, 2, manual)
-    return jax.shard_map(per_stage, mesh=mesh, in_specs=(specs, buffer, P(None, seq_axis)),
-                         out_specs=buffer, axis_names=manual)(chunks, x_in, consts)
+    ids = () if segments is None else (segments,)
+    return jax.shard_map(per_stage, mesh=mesh, in_specs=(
+        specs, buffer, P(None, seq_axis), (P(None, batch_axis, seq_axis),) * len(ids)),
+        out_specs=buffer, axis_names=manual)(chunks, x_in, consts, ids)
 
 
 class Inboxes(NamedTuple):
@@ -173,14 +176,15 @@ class Done(NamedTuple):
 
 
 def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, layer, loss,
-          active, batch_axis, seq_axis, stage_remat, scan=True, split=None):
+          active, batch_axis, seq_axis, stage_remat, scan=True, split=None, segments=None):
     """(summed loss, (block grads, head grads, input grads)) by a lockstep or switch table.
 
     blocks[L, ...] in storage order (stage s's chunks together); `layer(params, x, consts,
     on[, zeros])` one layer under its remat policy; head: the head's weights (`loss(head, y,
     labels)` is a microbatch's summed loss); x_in[p, mb, n, T, D]: the embedded microbatches
-    laid out by `Schedule.feed`; labels[m, mb, T] on every stage; consts: [1, T, ...]; `split`
-    the model's tapped ops (`ops.split`), which a switch table's B and W need."""
+    laid out by `Schedule.feed`; labels[m, mb, T] on every stage; consts: [1, T, ...];
+    segments: None or packed documents' ids [m, mb, T], as the labels; `split` the model's
+    tapped ops (`ops.split`), which a switch table's B and W need."""
     p, v = table.stages, table.repeats
     depth = jax.tree.leaves(blocks)[0].shape[0] // (p * v)  # layers per chunk
     ahead, back = rings(p)
@@ -190,7 +194,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     cut = table.mode == "switch"  # the backward split into B and W
     ops, ends = jnp.asarray(table.ops), jnp.asarray(table.ends)
 
-    def per_stage(stack, head, x_in, labels, consts):
+    def per_stage(stack, head, x_in, labels, consts, segments):
         # stack[1, v * depth, ...]: this stage's layers; x_in[1, mb, n, T, D]: its microbatches
         stack, x_in = jax.tree.map(lambda a: a[0], stack), x_in[0]
         s = jax.lax.axis_index(axis)
@@ -200,8 +204,8 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
         stack = jax.tree.map(lambda a: vary(a, others), stack)
         head = jax.tree.map(lambda a: vary(a, manual), head)
         x0 = x_in[:, 0]
-        worker = Worker(stack, consts, layer, depth, on, s, manual, split if cut else None,
-                        unroll() or not scan)
+        worker = Worker(stack, consts_of(consts, segments, 0), layer, depth, on, s, manual,
+                        split if cut else None, unroll() or not scan)
         layout = worker.prepare(x0, cut)
 
         def zeros(shapes, vma=None):  # a buffer of stash slots per value, varying as it does
@@ -257,7 +261,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
         # one slot's worth (written after it), so that no buffer passes through a switch
         # (XLA:CPU copies every buffer a conditional inside a loop updates in place)
         def op_forward(op, x, ct, held, head_on=True):
-            y, res, ins = worker.forward(x, op["c"], cut)
+            y, res, ins = worker.forward(x, op["c"], cut, consts_of(consts, segments, op["mb"]))
             if not head_on:
                 return done(y=y, residuals=[x] if stage_remat else res)
             total, dy, d_head = head_grads(loss, head, labels, y, op["mb"],
@@ -267,10 +271,12 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
 
         def op_backward(op, x, ct, held, grads=None):
             residuals, inputs = held[0], None
+            known = consts_of(consts, segments, op["mb"])
             if stage_remat:  # the forward again, from the chunk's input
-                _, residuals, inputs = worker.forward(residuals[0], op["c"], cut)
+                _, residuals, inputs = worker.forward(residuals[0], op["c"], cut, known)
             dx, d_taps, grads = worker.backward(ct, residuals, op["c"],
-                                                grad_zeros() if grads is None else grads, cut)
+                                                grad_zeros() if grads is None else grads, cut,
+                                                known)
             return done(dx=dx, inputs=inputs, taps=d_taps, grads=grads)
 
         def op_weight(op, x, ct, held):
@@ -356,28 +362,15 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
     specs = stack_specs(stacks, axis, 1, manual)
+    ids = () if segments is None else (segments,)
+    per_mb = P(None, batch_axis, seq_axis)
     total, g_stack, g_head, dx = jax.shard_map(
         per_stage, mesh=mesh, axis_names=set(manual),
-        in_specs=(specs, P(), buffer, P(None, batch_axis, seq_axis), P(None, seq_axis)),
-        out_specs=(P(), specs, P(), buffer))(stacks, head, x_in, labels, consts)
+        in_specs=(specs, P(), buffer, per_mb, P(None, seq_axis), (per_mb,) * len(ids)),
+        out_specs=(P(), specs, P(), buffer))(stacks, head, x_in, labels, consts, ids)
     # gradients cast back to the parameters' dtypes
     g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
     return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)
-
-
-def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, split):
-    """What the per-stage function returns, its sums done: the stage's layer gradients summed
-    over the manual axes but the stage's and those a weight is `split` over (once, after the
-    loop), the loss and head gradients over all of them."""
-    leaves, tree = jax.tree.flatten(g_stack)
-    over = [tuple(a for a in manual if a not in own) for own in jax.tree.leaves(split)]
-    for axes in set(over):  # one sum per set of axes (all of them but for split experts)
-        which = [i for i, o in enumerate(over) if o == axes]
-        for i, g in zip(which, psum([leaves[i] for i in which], axes)):
-            leaves[i] = g
-    g_stack = tree.unflatten(leaves)
-    return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-            psum(g_head, manual), dx_out[None])
 
 
 def loss_and_grads(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *,

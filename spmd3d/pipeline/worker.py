@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..manual import vary, varying
+from ..manual import psum, vary, varying
 
 
 class Layout(NamedTuple):
@@ -105,30 +105,32 @@ class Worker:
             self.layouts[split] = Layout(treedef, where, shapes, vma)
         return self.layouts[split]
 
-    def _known(self, w, split):
-        return (w, self.consts, self.zeros) if split else (w, self.consts)
+    def _known(self, w, split, consts):
+        return (w, consts, self.zeros) if split else (w, consts)
 
-    def _layer_vjp(self, k, x, split):
+    def _layer_vjp(self, k, x, split, consts=None):
         """(stashed residuals, where, treedef, (y, projection inputs or None)) of layer k at
-        x."""
-        w = self.weights(k)
+        x, with `consts` (default: those the worker was made with)."""
+        w, consts = self.weights(k), self.consts if consts is None else consts
         on = None if self.on is None else self.on[self.s, k]
         if split:
-            y, vjp_fn, inputs = jax.vjp(lambda w, x, z: self.layer(w, x, self.consts, on, z),
+            y, vjp_fn, inputs = jax.vjp(lambda w, x, z: self.layer(w, x, consts, on, z),
                                         w, x, self.zeros, has_aux=True)
         else:
-            (y, vjp_fn), inputs = jax.vjp(lambda w, x: self.layer(w, x, self.consts, on),
+            (y, vjp_fn), inputs = jax.vjp(lambda w, x: self.layer(w, x, consts, on),
                                           w, x), None
-        stashed, where = split_residuals(vjp_fn, self._known(w, split))
+        stashed, where = split_residuals(vjp_fn, self._known(w, split, consts))
         return stashed, where, jax.tree.structure(vjp_fn), (y, inputs)
 
-    def forward(self, x, c, split: bool = False):
+    def forward(self, x, c, split: bool = False, consts=None):
         """Chunk c's forward from x: (y, the residuals its layers' remat policy keeps, stacked
-        per layer [depth, ...], and split, the projections' inputs stacked per layer)."""
+        per layer [depth, ...], and split, the projections' inputs stacked per layer), with
+        the microbatch's `consts` (RoPE tables; packed documents' ids)."""
         layout = self.layouts[split]
 
         def body(x, j):
-            stashed, where, _, (y, inputs) = self._layer_vjp(c * self.depth + j, x, split)
+            stashed, where, _, (y, inputs) = self._layer_vjp(c * self.depth + j, x, split,
+                                                             consts)
             assert where == layout.where, "the layer's residuals changed between traces"
             return y, (stashed, inputs)
 
@@ -136,18 +138,19 @@ class Worker:
                                             unroll=self.unrolled)
         return y, stashed, inputs
 
-    def backward(self, ct, residuals, c, grads, split: bool = False):
+    def backward(self, ct, residuals, c, grads, split: bool = False, consts=None):
         """Chunk c's backward, last layer first: (the input's cotangent, split: the taps'
         cotangents stacked per layer, `grads` with each layer's gradient added in place; split:
-        all but the projections', which W adds)."""
+        all but the projections', which W adds); `consts` those of its forward."""
         layout = self.layouts[split]
+        consts = self.consts if consts is None else consts
         keep = (lambda path: not _is_projection(path, self.projections)) if split else None
 
         def body(carry, j):
             ct, grads = carry
             k = c * self.depth + j
             stashed = [jax.lax.dynamic_index_in_dim(r, j, 0, False) for r in residuals]
-            out = rebuild(layout, stashed, self._known(self.weights(k), split))(ct)
+            out = rebuild(layout, stashed, self._known(self.weights(k), split, consts))(ct)
             d_w, dx = out[:2]
             grads = add_at(grads, d_w, k, keep) if split else add_at(grads, d_w, k)
             return (dx, grads), (out[2] if split else None)
@@ -187,3 +190,28 @@ def head_grads(loss, head, labels, y, i, last, manual):
                 jax.tree.map(jnp.zeros_like, head))
 
     return jax.lax.cond(last, compute, skip)
+
+
+def consts_of(consts, segments, mb):
+    """What microbatch `mb`'s layers share: the RoPE tables, and with packed documents
+    (`segments`: () or ([m, mb, T] ids,)) its ids."""
+    if not segments:
+        return consts
+    ids = segments[0]
+    mb = jnp.clip(mb, 0, ids.shape[0] - 1)
+    return (*consts, jax.lax.dynamic_index_in_dim(ids, mb, 0, keepdims=False))
+
+
+def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, split):
+    """What the per-stage function returns, its sums done: the stage's layer gradients summed
+    over the manual axes but the stage's and those a weight is `split` over (once, after the
+    loop), the loss and head gradients over all of them."""
+    leaves, tree = jax.tree.flatten(g_stack)
+    over = [tuple(a for a in manual if a not in own) for own in jax.tree.leaves(split)]
+    for axes in set(over):  # one sum per set of axes (all of them but for split experts)
+        which = [i for i, o in enumerate(over) if o == axes]
+        for i, g in zip(which, psum([leaves[i] for i in which], axes)):
+            leaves[i] = g
+    g_stack = tree.unflatten(leaves)
+    return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
+            psum(g_head, manual), dx_out[None])

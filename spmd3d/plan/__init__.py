@@ -65,12 +65,12 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str, t
                        seq=cfg.mesh.seq, hopper=hopper, branched=branched), experts
 
 
-def _document_eot(cfg: Config, pipelined: bool) -> int | None:
+def _document_eot(cfg: Config) -> int | None:
     """The end-of-text id that ends the documents packed in a window (`data.document_mask`),
-    or None: off, a tokenizer without one (bytes), or through a pipeline, which the document
-    masks do not reach yet (`describe` says so). A tokenizer that is not there yet (`convert
-    import` plans the layout before it copies one) has none: the data's loading names it."""
-    if not cfg.data.document_mask or cfg.data.tokenizer == "bytes" or pipelined:
+    or None: off, or a tokenizer without one (bytes). A tokenizer that is not there yet
+    (`convert import` plans the layout before it copies one) has none: the data's loading
+    names it."""
+    if not cfg.data.document_mask or cfg.data.tokenizer == "bytes":
         return None
     from ..schema import DataError
     from ..tokenizer import load
@@ -152,7 +152,7 @@ class Plan:
             seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
             attention=attention,
             experts=experts,
-            eot=_document_eot(cfg, schedule is not None),
+            eot=_document_eot(cfg),
         )
 
     @property
@@ -231,9 +231,6 @@ class Plan:
                      "ids)" if self.attention == "cudnn" else "")
             lines.append(f"documents: each attends to itself alone (end of text: id {self.eot})"
                          f"{dense}")
-        elif self.cfg.data.document_mask and self.pipelined and self.cfg.data.tokenizer != "bytes":
-            lines.append("documents: not masked (document masks do not run through a pipeline "
-                         "yet)")
         if self.schedule:
             lines.append(self.schedule.describe(self.layer_order))
         elif self.accum_steps > 1:

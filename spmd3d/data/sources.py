@@ -1,0 +1,87 @@
+"""Where `data prepare` reads documents: text files (each one document), JSONL (each line a
+JSON object, its text in one field) and Parquet (each row one document, its text in one
+column, read a batch of rows at a time by pyarrow); directories are searched recursively for
+all three. A document that cannot be read stops everything with one line naming the file and
+the line (JSONL) or the row (Parquet), before anything is written."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..schema import DataError
+
+TEXT = frozenset({".txt", ".md", ".py", ".rst"})
+JSONL = frozenset({".jsonl"})
+PARQUET = frozenset({".parquet"})
+SUFFIXES = TEXT | JSONL | PARQUET
+
+
+def input_files(inputs: list[str], suffixes=SUFFIXES) -> list[Path]:
+    """The files `inputs` name: files as given, directories' files with `suffixes`
+    (recursively, sorted by their path in the directory)."""
+    files = []
+    for name in inputs:
+        p = Path(name).expanduser()
+        if p.is_dir():
+            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes),
+                           key=lambda f: f.relative_to(p).as_posix())
+            if not found:
+                raise DataError("INPUT", f"directory {name} has no {'/'.join(sorted(suffixes))} "
+                                         "files")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError("INPUT", f"{name} does not exist")
+    return files
+
+
+def records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(where, object) of each non-blank line of a JSONL file; `where` is `file:line`."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(where, f"not a JSON object ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(where, f"not a JSON object (a {type(obj).__name__})")
+            yield where, obj
+
+
+def _rows(path: Path, field: str) -> Iterator[tuple[str, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 -- pyarrow's own errors for a file that is not one
+        raise DataError(str(path), f"not a Parquet file ({e})") from None
+    names = table.schema_arrow.names
+    if field not in names:
+        raise DataError(str(path), f"no column {field!r} (its columns: {', '.join(names)})")
+    row = 0
+    for batch in table.iter_batches(batch_size=4096, columns=[field]):
+        for value in batch.column(0).to_pylist():
+            yield f"{path}: row {row}", value
+            row += 1
+
+
+def documents(path: Path, field: str = "text") -> Iterator[str]:
+    """The documents of one file, as text."""
+    if path.suffix in JSONL:
+        pairs = ((where, obj.get(field)) for where, obj in records(path))
+    elif path.suffix in PARQUET:
+        pairs = _rows(path, field)
+    else:
+        yield path.read_bytes().decode("utf-8", errors="replace")
+        return
+    for where, text in pairs:
+        if not isinstance(text, str):
+            raise DataError(where, f"no text in field {field!r}" if text is None else
+                            f"field {field!r} is a {type(text).__name__}, not text")
+        yield text
