@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
-# and -3B shapes), the fused attention against the blocked one, an MoE step (MFU by active
+# and -3B shapes), the fused attention against the blocked one (and both with packed
+# documents), an MoE step (MFU by active
 # parameters) and its grouped matmul against a dense one, a profile's top ops, and the
 # planner calibrated on the 1B run then asked to predict the 3B one; with several GPUs, the
 # pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.
@@ -26,7 +27,7 @@ bench() {  # NAME CONFIG [args...]: one bench run, bounded, its record and log u
   timeout "${BENCH_TIMEOUT:-300}" "$py" -m spmd3d.bench "$@" --json > "$out/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
   tail -n 1 "$out/$name.log" > "$out/$name.json"
-  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|experts|collectives)" \
+  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|documents|experts|collectives)" \
     "$out/$name.log" || tail -n 5 "$out/$name.log"
 }
 

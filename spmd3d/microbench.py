@@ -15,7 +15,8 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
     """The fused kernel (`attention.fused_attention`: cuDNN on a GPU, JAX's reference of the
     same call elsewhere) against the blocked one on one layer's attention of `cfg` as a device
     runs it: max |difference| of the output and of dq, dk, dv over the blocked kernel's max
-    |value|, and the median seconds of a forward + backward of each."""
+    |value|, and the median seconds of a forward + backward of each; the same again with
+    packed documents (of 1 to T/2 tokens: the fused kernel then takes a dense T x T mask)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -33,6 +34,10 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
     ct = jax.random.normal(keys[3], shapes[0], m.dtype)
     implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
 
+    rng = np.random.default_rng(0)
+    ends = rng.random((rows, t.seq_len)) < 4 / t.seq_len  # about 4 documents a window
+    segments = jnp.asarray(np.cumsum(ends, axis=1), jnp.int32)
+
     def run(kernel):
         def loss(q, kk, v):
             out = kernel(q, kk, v)
@@ -49,6 +54,9 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
 
     fused, fused_s = run(lambda *a: attention.fused_attention(*a, implementation=implementation))
     blocked, blocked_s = run(attention.causal_attention)
+    packed_fused, packed_fused_s = run(lambda *a: attention.fused_attention(
+        *a, implementation=implementation, segments=segments))
+    packed, packed_s = run(lambda *a: attention.causal_attention(*a, segments=segments))
 
     def error(a, b):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -59,7 +67,10 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
             "shape": {"rows": rows, "T": t.seq_len, "kv_heads": k, "groups": g,
                       "head_dim": m.dim_per_head},
             "error": {n: error(a, b) for n, a, b in zip(names, fused, blocked)},
-            "fused_s": fused_s, "blocked_s": blocked_s}
+            "fused_s": fused_s, "blocked_s": blocked_s,
+            "documents": {"error": {n: error(a, b) for n, a, b in zip(names, packed_fused,
+                                                                       packed)},
+                          "fused_s": packed_fused_s, "blocked_s": packed_s}}
 
 
 def measure_experts(cfg: Config, repeats: int = 5) -> dict:

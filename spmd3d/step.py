@@ -229,7 +229,11 @@ def labelled(tokens_bt1, eot: int | None):
 
 
 def label_count(plan: Plan, tokens_bt1):
-    """How many labels a [B, T+1] token block trains on (`labelled`)."""
+    """How many labels a [B, T+1] token block trains on (`labelled`): a number known when
+    compiling without packed documents (no sum over the batch's devices, nothing scaled by a
+    value computed in the step)."""
+    if plan.eot is None:
+        return tokens_bt1.shape[0] * (tokens_bt1.shape[1] - 1)
     return jnp.sum(labelled(tokens_bt1, plan.eot)[1] >= 0)
 
 
@@ -260,30 +264,39 @@ def make_grad_fn(plan: Plan, graphdef):
     """`(params, tokens[B, T+1]) -> (mean loss, grads)`, accumulating over `plan.accum_steps`
     microbatches (with a pipeline, the pipeline takes the microbatches).
 
-    The loss is the mean over every token of the global batch whatever the microbatching, and
-    gradients leave in the gradient rules' layout (ZeRO-2/3: sharded over data).
+    The loss is the mean over every label trained on of the global batch whatever the
+    microbatching, and gradients leave in the gradient rules' layout (ZeRO-2/3: sharded over
+    data). A count known when compiling divides the summed gradients; one the step computes
+    (packed documents, chat data) scales the loss instead, so that its backward makes the
+    mean's gradients directly: dividing gradient-sized buffers by a value computed in the step
+    made XLA keep a copy of them under clipping (+180 MB for 6 layers of d_model 1024).
     """
     rules, mesh, m = plan.rules, plan.mesh, plan.accum_steps
-    value_and_grad = jax.value_and_grad(lambda p, t: loss_sum(plan, graphdef, p, t), has_aux=True)
+    value_and_grad = jax.value_and_grad(
+        lambda p, t, scale: loss_sum(plan, graphdef, p, t)[0] * scale)
 
     def constrain_grads(g):
         return jax.lax.with_sharding_constraint(g, shardings_for(g, rules.grads, mesh))
 
     def grads_and_loss(params, tokens):
         count = label_count(plan, tokens)
+        known = isinstance(count, int)
+        scale = 1.0 if known else 1.0 / count.astype(jnp.float32)
         with activation_rules(rules.compute, mesh, rules.grads):
             if m == 1:
-                (total, _), g = value_and_grad(params, tokens)
+                total, g = value_and_grad(params, tokens, scale)
                 g = constrain_grads(g)
             else:
                 def accumulate(carry, tokens_mb):
                     g_acc, l_acc = carry
-                    (l, _), g = value_and_grad(params, constrain(tokens_mb, ("batch", None)))
+                    l, g = value_and_grad(params, constrain(tokens_mb, ("batch", None)), scale)
                     return (constrain_grads(jax.tree.map(jnp.add, g_acc, g)), l_acc + l), None
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
                 carry = (constrain_grads(zeros), jnp.zeros((), jnp.float32))
                 (g, total), _ = jax.lax.scan(accumulate, carry, microbatches(tokens, m))
+        if not known:
+            return total, g
         return total / count, jax.tree.map(lambda x: x / count, g)
 
     return grads_and_loss

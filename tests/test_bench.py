@@ -220,13 +220,17 @@ def test_peak_flops_from_the_device_kind(caplog):
 
 def test_attention_kernels_agree(record):
     """`--attention`: the fused call (JAX's reference implementation on a CPU) and the blocked
-    kernel agree on the output and every gradient; both are timed; the report says so."""
+    kernel agree on the output and every gradient, with packed documents too; all are timed;
+    the report says so."""
     cfg, r = record
     a = measure_attention(cfg, repeats=1)
     assert a["implementation"] == "xla" and a["dtype"] == "float32"
     assert a["shape"] == {"rows": 2, "T": 32, "kv_heads": 2, "groups": 1, "head_dim": 16}
     assert max(a["error"].values()) < 1e-5 and a["fused_s"] > 0 and a["blocked_s"] > 0
-    assert "attention   fused (xla)" in format_report({**r, "attention": a})
+    d = a["documents"]
+    assert max(d["error"].values()) < 1e-5 and d["fused_s"] > 0 and d["blocked_s"] > 0
+    report = format_report({**r, "attention": a})
+    assert "attention   fused (xla)" in report and "documents   packed" in report
 
 
 def test_experts_grouped_matmul_against_a_dense_one(record):
