@@ -94,6 +94,14 @@ def test_examples_are_packed_whole_first_fit(tmp_path):
     assert sum(t == tok.eos_id for t in flat) == len(talks)  # padding is flagged
     assert sum(t == -tok.eos_id - 1 for t in flat) == rows.size - sum(
         len(chat.example(tok, compiled, specials, t, "x")[0]) + 1 for t in talks)
+    # the same conversations as a Parquet column of lists of {role, content}: the same windows
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"messages": talks}), tmp_path / "talk.parquet")
+    assert prepare_cmd.main(["prepare", "--chat", "--seq-len=255", f"--tokenizer={tok_dir}",
+                             str(tmp_path / "talk.parquet"), str(tmp_path / "pq.npy")]) == 0
+    assert np.array_equal(np.load(tmp_path / "pq.npy"), rows)
     batches = data.TokenBatches(data.load_tokens(str(out)), 255, 0, tok.vocab_size)
     got = batches.batch(0, len(rows))
     assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, rows.tolist()))

@@ -11,7 +11,8 @@ as they come, so memory stays one batch whatever the corpus; OUT appears only wh
 (written as OUT.tmp, then renamed), and a document that cannot be read (a malformed JSONL
 line, a missing field or column) stops it with one line naming the file and the line or row.
 
-`--chat --seq-len=N [--truncate]`: JSONL conversations (`messages: [{role, content}]`) rendered
+`--chat --seq-len=N [--truncate]`: conversations (`messages: [{role, content}]`: a JSONL field
+or a Parquet column of lists of structs) rendered
 with the tokenizer's chat template, the loss on the assistant's tokens alone, packed whole into
 windows of N + 1 tokens (`chat.py`), written as OUT.npy [windows, N + 1] int32 (train with
 train.seq_len=N). A conversation longer than a window is refused, or cut with `--truncate`.
@@ -117,14 +118,14 @@ def prepare_chat(inputs: list[str], out: str | Path, tokenizer: str, seq_len: in
     if tok.name == "bytes" or tok.eos_id is None:
         raise DataError("--tokenizer", "--chat needs a HF tokenizer with an end-of-text id")
     compiled, specials = chat.template(tokenizer)
-    files = input_files(inputs, suffixes=frozenset({".jsonl"}))
+    files = input_files(inputs, suffixes=frozenset({".jsonl", ".parquet"}))
     raw, trained = out.with_name(out.name + ".rows"), 0
     tmp = out.with_name(out.name + ".tmp.npy")
     try:
         with open(raw, "wb") as f:
             packer = chat.Packer(seq_len + 1, tok.eos_id, lambda row: row.tofile(f))
             for path in tqdm(files, desc="conversations", unit=" files", disable=None):
-                for where, obj in records(path):
+                for where, obj in records(path, ["messages"]):
                     ids, on = chat.example(tok, compiled, specials, obj.get("messages"), where)
                     if len(ids) + 1 > seq_len + 1:
                         if not truncate:

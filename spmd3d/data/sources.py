@@ -38,8 +38,13 @@ def input_files(inputs: list[str], suffixes=SUFFIXES) -> list[Path]:
     return files
 
 
-def records(path: Path) -> Iterator[tuple[str, dict]]:
-    """(where, object) of each non-blank line of a JSONL file; `where` is `file:line`."""
+def records(path: Path, columns: list[str] | None = None) -> Iterator[tuple[str, dict]]:
+    """(where, object) of each record: a JSONL file's non-blank lines (`where` is `file:line`),
+    or a Parquet file's rows as {column: value} (`file: row N`; only `columns`, each of which
+    it must have, read a batch of rows at a time)."""
+    if path.suffix in PARQUET:
+        yield from _rows(path, columns)
+        return
     with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -54,7 +59,7 @@ def records(path: Path) -> Iterator[tuple[str, dict]]:
             yield where, obj
 
 
-def _rows(path: Path, field: str) -> Iterator[tuple[str, object]]:
+def _rows(path: Path, columns: list[str] | None) -> Iterator[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
     try:
@@ -62,25 +67,23 @@ def _rows(path: Path, field: str) -> Iterator[tuple[str, object]]:
     except Exception as e:  # noqa: BLE001 -- pyarrow's own errors for a file that is not one
         raise DataError(str(path), f"not a Parquet file ({e})") from None
     names = table.schema_arrow.names
-    if field not in names:
-        raise DataError(str(path), f"no column {field!r} (its columns: {', '.join(names)})")
+    for column in columns or ():
+        if column not in names:
+            raise DataError(str(path), f"no column {column!r} (its columns: {', '.join(names)})")
     row = 0
-    for batch in table.iter_batches(batch_size=4096, columns=[field]):
-        for value in batch.column(0).to_pylist():
-            yield f"{path}: row {row}", value
+    for batch in table.iter_batches(batch_size=4096, columns=columns):
+        for obj in batch.to_pylist():
+            yield f"{path}: row {row}", obj
             row += 1
 
 
 def documents(path: Path, field: str = "text") -> Iterator[str]:
     """The documents of one file, as text."""
-    if path.suffix in JSONL:
-        pairs = ((where, obj.get(field)) for where, obj in records(path))
-    elif path.suffix in PARQUET:
-        pairs = _rows(path, field)
-    else:
+    if path.suffix not in JSONL | PARQUET:
         yield path.read_bytes().decode("utf-8", errors="replace")
         return
-    for where, text in pairs:
+    for where, obj in records(path, [field]):
+        text = obj.get(field)
         if not isinstance(text, str):
             raise DataError(where, f"no text in field {field!r}" if text is None else
                             f"field {field!r} is a {type(text).__name__}, not text")
