@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..schema import DataError
-
-TEXT = frozenset({".txt", ".md", ".py", ".rst"})
+from . import _TEXT_SUFFIXES as TEXT  # what training on a directory reads too
 JSONL = frozenset({".jsonl"})
 PARQUET = frozenset({".parquet"})
 SUFFIXES = TEXT | JSONL | PARQUET
