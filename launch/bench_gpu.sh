@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
 # and -3B shapes), the fused attention against the blocked one (and both with packed
-# documents), an MoE step (MFU by active
+# documents, beside the Pallas kernel that takes their ids), an MoE step (MFU by active
 # parameters) and its grouped matmul against a dense one, a profile's top ops, and the
 # planner calibrated on the 1B run then asked to predict the 3B one; with several GPUs, the
 # pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.

@@ -6,6 +6,8 @@
 |           |                                               | block-causal, fp32 softmax          |
 | `cudnn`   | the whole sequence; a GPU, bf16/fp16, head    | `fused_attention`: cuDNN flash      |
 |           | dim a multiple of 8 and <= 128 (256: Hopper)  | attention (jax.nn)                  |
+| `pallas`  | as cudnn, with packed documents; head dim a   | `flash_attention`: jax's Pallas-    |
+|           | power of 2 in 16..256, T a multiple of 128    | Triton flash kernel, document ids   |
 | `ring`    | T is split over a mesh axis (`seq`)           | zig-zag ring attention (`ring.py`)  |
 | `gather`  | T split over `seq`, inside ZB-H1's per-stage  | K/V all-gathered over `seq`, local  |
 |           | branches (a ring's permutes there deadlock)   | queries against them (`ring.py`)    |
@@ -14,6 +16,17 @@
 once, for the plan (`Plan.attention`); the step calls `select` with it, and says whether the
 code runs inside a shard_map already manual over the ring axis (the pipeline's), where the
 per-device ring runs directly. GPU kernels join this table, not the model.
+
+Packed documents (`Plan.eot`) on a GPU take `pallas`. jax 0.10's `jax.nn.dot_product_attention`
+takes no document ids: cuDNN gets them as a dense [B, 1, T, T] mask, read per layer and grown
+with T^2 (0.5 GiB a row at T = 16k). Of the kernels that take the ids themselves, jax's own
+Pallas-Triton `mha` is a flash kernel (blocks above the diagonal skipped, scores never stored)
+that needs no new dependency, runs on any CUDA GPU, and runs here too, through Pallas's
+interpreter, so the tests check it against the blocked kind. cuDNN's packed layout sits behind
+jax's private API, on Hopper only, with offsets in place of ids; Transformer Engine is a large
+dependency built against one CUDA. Where `pallas` cannot run, the plan falls back to `cudnn`'s
+dense mask and `Plan.describe` says why in one line. It has no GQA: the K/V heads are repeated
+to the query heads' count (the repeat's transpose sums their gradients).
 
 Under ring attention the blocks stay pure JAX: the ring merges per-block results by their
 log-sum-exp, and `jax.nn.dot_product_attention(..., return_residual=True)` hands cuDNN's fp32
@@ -27,14 +40,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from .ring import gathered_attention_local, ring_attention, ring_attention_local
 from .schema import ConfigError
+from .sharding import current_layout, mesh_axes
 
-KINDS = ("blocked", "cudnn", "ring", "gather")
+KINDS = ("blocked", "cudnn", "pallas", "ring", "gather")
 SPLIT = ("ring", "gather")  # the kinds that run with T split over the `seq` axis
 # what `fused_attention` asks jax for; the tests set "xla" (JAX's reference of the same call)
 # to run the cudnn kind's plumbing -- head layout, sharding, gradients -- on a CPU
 FUSED = "cudnn"
+# the Pallas kernel runs through Pallas's interpreter where this is True: the tests run its
+# plumbing -- document ids, GQA, the per-device map, gradients -- on a CPU
+INTERPRET = False
 
 
 def query_blocks(t: int, block: int = 64) -> int:
@@ -106,26 +125,100 @@ def fused_attention(q_btkgh, k_bskh, v_bskh, implementation: str | None = None,
     return out.reshape(q_btkgh.shape)
 
 
+def flash_attention(q_btkgh, k_bskh, v_bskh, segments=None, interpret: bool | None = None):
+    """Causal GQA flash attention that takes `segments`[B, T] (document ids) itself: jax's
+    Pallas-Triton kernel, per device (`_per_device`); `interpret` (default `INTERPRET`): through
+    Pallas's interpreter. -> out[B, T, K, G, H]."""
+    interpret = INTERPRET if interpret is None else interpret
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    def run(q, k, v, ids):
+        b, t, kv, g, h = q.shape
+        out = mha(q.reshape(b, t, kv * g, h), jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2),
+                  ids, sm_scale=h ** -0.5, causal=True, interpret=interpret)
+        return out.reshape(q.shape)
+
+    return _per_device(run, q_btkgh, k_bskh, v_bskh, segments)
+
+
+def _per_device(kernel, q, k, v, segments):
+    """`kernel(q, k, v, segments)` inside a shard_map manual over the mesh axes that split the
+    batch and the heads in the current layout: a Pallas call has no partitioning rule, so left
+    to XLA every device would gather the whole batch and all heads and run them all. (Pallas's
+    jax kernel declares no varying axes for its outputs, so the map does not check them; that
+    is also why it does not run nested in a pipeline's shard_map, see `choose`.)"""
+    layout = current_layout()
+    if layout is None:
+        return kernel(q, k, v, segments)
+    mesh = layout.mesh
+
+    def spec(*names):
+        return P(*(tuple(a for a in mesh_axes(layout.compute[n]) if mesh.shape[a] > 1) or None
+                   for n in names))
+
+    qs = spec("batch", "length", "kv_heads", "q_per_kv", "head_dim")
+    ks, ids = spec("batch", "length", "kv_heads", "head_dim"), spec("batch", "length")
+    axes = {a for s in (qs, ks, ids) for e in s for a in mesh_axes(e)}
+    if not axes:
+        return kernel(q, k, v, segments)
+    extra = () if segments is None else (segments,)
+    return jax.shard_map(lambda q, k, v, *i: kernel(q, k, v, *i or (None,)), mesh=mesh,
+                         in_specs=(qs, ks, ks) + (ids,) * len(extra), out_specs=qs,
+                         axis_names=axes, check_vma=False)(q, k, v, *extra)
+
+
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,
-           hopper: bool = False, branched: bool = False) -> str:
+           hopper: bool = False, branched: bool = False, seq_len: int = 128,
+           stage: int = 1, documents: bool = False) -> str:
     """The attention kind (see the table) for `model.attention = requested` on `platform`
-    with compute `dtype`, `head_dim` and the sequence split over `seq` devices; `branched`:
-    the layers run inside per-device branches (ZB-H1). An explicit `cudnn` that cannot run
-    raises ConfigError naming model.attention; `auto` falls back."""
-    limit = 256 if hopper else 128
-    why_not = (f"needs a GPU (this run's devices are {platform})" if platform != "gpu" else
-               f"needs bfloat16 or float16 compute (model.dtype is {dtype})"
-               if dtype not in ("bfloat16", "float16") else
-               f"needs a head dim that is a multiple of 8 and <= {limit} (it is {head_dim})"
-               if head_dim % 8 or head_dim > limit else
-               f"does not run under ring attention (mesh.seq = {seq}): the blocks' "
-               "log-sum-exp comes back in the output dtype, too coarse to merge them"
-               if seq > 1 else None)
-    if requested == "cudnn" and why_not:
-        raise ConfigError("model.attention", f"cudnn {why_not}; use auto or blocked")
+    with compute `dtype`, `head_dim`, sequences of `seq_len` split over `seq` devices and,
+    with `documents`, packed documents; `stage`: the pipeline's stages; `branched`: the layers
+    run inside per-device branches (ZB-H1). An explicit kernel that cannot run raises ConfigError naming model.attention;
+    `auto` falls back (`fallback` says why)."""
+    kernels = {name: why(platform=platform, dtype=dtype, head_dim=head_dim, seq=seq,
+                         hopper=hopper, seq_len=seq_len, stage=stage)
+               for name, why in (("cudnn", _why_not_cudnn), ("pallas", _why_not_pallas))}
+    if kernels.get(requested):
+        raise ConfigError("model.attention", f"{requested} {kernels[requested]}; use auto "
+                          "or blocked")
     if seq > 1:
         return "gather" if branched else "ring"
-    return "cudnn" if requested != "blocked" and why_not is None else "blocked"
+    if requested != "auto":
+        return requested
+    if documents and not kernels["pallas"]:
+        return "pallas"
+    return "cudnn" if not kernels["cudnn"] else "blocked"
+
+
+def fallback(**shape) -> str:
+    """Why packed documents on a GPU do not get `pallas` (choose's arguments), or ""."""
+    return _why_not_pallas(**shape) or ""
+
+
+def _why_not_gpu(*, platform, dtype, **_):
+    return (f"needs a GPU (this run's devices are {platform})" if platform != "gpu" else
+            f"needs bfloat16 or float16 compute (model.dtype is {dtype})"
+            if dtype not in ("bfloat16", "float16") else None)
+
+
+def _why_not_cudnn(*, head_dim, seq, hopper, **rest):
+    limit = 256 if hopper else 128
+    return _why_not_gpu(**rest) or (
+        f"needs a head dim that is a multiple of 8 and <= {limit} (it is {head_dim})"
+        if head_dim % 8 or head_dim > limit else
+        f"does not run under ring attention (mesh.seq = {seq}): the blocks' "
+        "log-sum-exp comes back in the output dtype, too coarse to merge them"
+        if seq > 1 else None)
+
+
+def _why_not_pallas(*, head_dim, seq, seq_len, stage=1, **rest):
+    return _why_not_gpu(**rest) or (
+        f"needs a head dim that is a power of 2 from 16 to 256 (it is {head_dim})"
+        if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 else
+        f"needs train.seq_len a multiple of 128 (it is {seq_len})" if seq_len % 128 else
+        f"runs with the whole sequence on each device (mesh.seq = {seq})" if seq > 1 else
+        f"does not run inside a pipeline's per-stage code (mesh.stage = {stage}): its kernel "
+        "leaves its outputs untyped for the manual axes there" if stage > 1 else None)
 
 
 def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
@@ -137,6 +230,8 @@ def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
         return lambda q, k, v, segments=None: causal_attention(q, k, v, segments=segments)
     if kind == "cudnn":
         return lambda q, k, v, segments=None: fused_attention(q, k, v, segments=segments)
+    if kind == "pallas":
+        return lambda q, k, v, segments=None: flash_attention(q, k, v, segments=segments)
     if kind not in SPLIT:
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
     if kind == "gather":  # runs in the pipeline's per-device code only (ZB-H1)

@@ -255,9 +255,11 @@ def format_report(r: dict) -> str:
                      f"{s['rows']} x {s['T']} tokens, {s['kv_heads']} x {s['groups']} heads of "
                      f"{s['head_dim']}; max |fused - blocked| / max |blocked|: {errors}")
         d = a["documents"]
-        lines.append(f"  documents   packed, fused (a dense mask) {d['fused_s'] * 1e3:.2f} ms vs "
-                     f"blocked {d['blocked_s'] * 1e3:.2f} ms; max |fused - blocked| / max "
-                     f"|blocked|: {', '.join(f'{k} {v:.1e}' for k, v in d['error'].items())}")
+        pallas = (f", Pallas (document ids) {d['pallas_s'] * 1e3:.2f} ms (error "
+                  f"{max(d['pallas_error'].values()):.1e})" if d["pallas_s"] else "")
+        lines.append(f"  documents   packed, fused (a dense mask) {d['fused_s'] * 1e3:.2f} ms"
+                     f"{pallas} vs blocked {d['blocked_s'] * 1e3:.2f} ms; max |fused - blocked| / "
+                     f"max |blocked|: {', '.join(f'{k} {v:.1e}' for k, v in d['error'].items())}")
     if "experts" in r:
         x = r["experts"]
         lines.append(f"  experts     grouped matmul ({x['kernel']}) {x['grouped_tflops']:.1f} "

@@ -16,7 +16,9 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
     same call elsewhere) against the blocked one on one layer's attention of `cfg` as a device
     runs it: max |difference| of the output and of dq, dk, dv over the blocked kernel's max
     |value|, and the median seconds of a forward + backward of each; the same again with
-    packed documents (of 1 to T/2 tokens: the fused kernel then takes a dense T x T mask)."""
+    packed documents (about 4 a window: the fused kernel then takes a dense T x T mask), and
+    for them the Pallas kernel that takes their ids (`attention.flash_attention`, through
+    Pallas's interpreter off a GPU; None where its head dim is not a power of 2)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -57,6 +59,9 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
     packed_fused, packed_fused_s = run(lambda *a: attention.fused_attention(
         *a, implementation=implementation, segments=segments))
     packed, packed_s = run(lambda *a: attention.causal_attention(*a, segments=segments))
+    flash, flash_s = (run(lambda *a: attention.flash_attention(
+        *a, segments=segments, interpret=implementation != "cudnn"))
+        if m.dim_per_head & (m.dim_per_head - 1) == 0 else (None, None))
 
     def error(a, b):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -70,7 +75,9 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
             "fused_s": fused_s, "blocked_s": blocked_s,
             "documents": {"error": {n: error(a, b) for n, a, b in zip(names, packed_fused,
                                                                        packed)},
-                          "fused_s": packed_fused_s, "blocked_s": packed_s}}
+                          "fused_s": packed_fused_s, "blocked_s": packed_s, "pallas_s": flash_s,
+                          "pallas_error": flash and {n: error(a, b) for n, a, b in zip(
+                              names, flash, packed)}}}
 
 
 def measure_experts(cfg: Config, repeats: int = 5) -> dict:

@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
-ATTENTION_KERNELS = ("auto", "blocked", "cudnn")
+ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
 EXPERT_KERNELS = ("auto", "ragged", "tokamax")  # the experts' grouped matmul (grouped.py)
 
 
@@ -109,8 +109,10 @@ class ModelConfig:
     dtype: str = doc("auto", "compute dtype: auto (bfloat16 on a GPU, float32 elsewhere), "
                              "float32, bfloat16 or float16")
     param_dtype: str = doc("float32", "dtype of the master weights and optimizer state")
-    attention: str = doc("auto", "auto (cudnn on a GPU when the shapes allow, else blocked), "
-                                 "blocked (pure JAX) or cudnn (cuDNN flash attention)")
+    attention: str = doc("auto", "auto (on a GPU when the shapes allow: pallas with packed "
+                                 "documents, else cudnn; blocked elsewhere), blocked (pure "
+                                 "JAX), cudnn (cuDNN flash attention) or pallas (Pallas-Triton "
+                                 "flash attention with document ids)")
     qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
     # Mixture-of-Experts (moe.py): every layer's MLP is `num_experts` SwiGLU experts, each
     # token sent to `experts_per_token` of them by a router, plus `shared_experts` every token

@@ -37,6 +37,16 @@ GPU = dict(platform="gpu", dtype="bfloat16", head_dim=128, seq=1)
     ("blocked", {}, "blocked"),
     ("blocked", {"seq": 4}, "ring"),
     ("cudnn", {"dtype": "float16"}, "cudnn"),
+    # packed documents: the kernel that takes their ids, where its shapes allow; else cuDNN's
+    # dense mask (`fallback` says why), or blocked
+    ("auto", {"documents": True}, "pallas"),
+    ("auto", {"documents": True, "seq_len": 200}, "cudnn"),
+    ("auto", {"documents": True, "head_dim": 96}, "cudnn"),
+    ("auto", {"documents": True, "dtype": "float32"}, "blocked"),
+    ("auto", {"documents": True, "seq": 2}, "ring"),
+    ("cudnn", {"documents": True}, "cudnn"),
+    ("auto", {"documents": True, "stage": 2}, "cudnn"),  # not in a pipeline's shard_map
+    ("pallas", {}, "pallas"),
 ])
 def test_choose(requested, overrides, kind):
     assert choose(requested, **{**GPU, **overrides}) == kind
@@ -44,11 +54,19 @@ def test_choose(requested, overrides, kind):
 
 @pytest.mark.parametrize("overrides,words", [
     ({"platform": "cpu"}, "needs a GPU"), ({"dtype": "float32"}, "bfloat16 or float16"),
-    ({"head_dim": 260, "hopper": True}, "<= 256"), ({"seq": 2}, "ring attention")])
-def test_explicit_cudnn_that_cannot_run_is_refused(overrides, words):
+    ({"head_dim": 260, "hopper": True}, "<= 256"), ({"seq": 2}, "ring attention"),
+    ({"head_dim": 96}, "power of 2"), ({"seq_len": 200}, "multiple of 128"),
+    ({"seq": 2}, "whole sequence"), ({"stage": 2}, "pipeline")])
+def test_an_explicit_kernel_that_cannot_run_is_refused(overrides, words):
+    kernel = ("pallas" if words in ("power of 2", "multiple of 128", "whole sequence", "pipeline")
+              else "cudnn")
     with pytest.raises(ConfigError, match=words) as e:
-        choose("cudnn", **{**GPU, **overrides})
+        choose(kernel, **{**GPU, **overrides})
     assert e.value.field == "model.attention"
+    if kernel == "pallas":  # the reason auto's fallback from it gives
+        assert words in attention.fallback(**{"seq_len": 128, **GPU, **overrides})
+    else:
+        assert attention.fallback(**{"seq_len": 128, **GPU}) == ""
 
 
 def test_zb_h1_with_the_sequence_split_gathers_kv_and_other_schedules_ring():
@@ -138,6 +156,21 @@ def test_fused_kind_in_the_step_equals_blocked(monkeypatch):
         assert np.max(np.abs(g - r)) <= 1e-5 * np.max(np.abs(r)) + 1e-12
 
 
+def test_packed_documents_on_a_gpu_plan_the_pallas_kernel(tmp_path):
+    """`gpu_1b` with a tokenizer that ends its documents, planned for an H100 node: the Pallas
+    kernel; in a pipeline, cuDNN's dense mask, with a one-line warning that says why."""
+    from helpers import bpe_dir
+
+    tok = f"data.tokenizer={bpe_dir(tmp_path / 'tok')}"
+    plan = Plan.resolve(config.load("configs/gpu_1b.yaml", [tok]), topology="h100x8")
+    assert plan.eot is not None and plan.attention == "pallas"
+    piped = Plan.resolve(config.load("configs/gpu_1b.yaml", [
+        tok, "mesh.stage=2", "mesh.data=1", "train.microbatches=2"]), topology="h100x8")
+    assert piped.attention == "cudnn"
+    line, = [x for x in piped.describe().splitlines() if x.startswith("documents")]
+    assert "dense T x T mask" in line and "warning: pallas does not run inside a pipeline" in line
+
+
 @pytest.mark.parametrize("name", ["gpu_1b", "gpu_3b", "gpu_8b"])
 def test_gpu_benchmarks_plan_bf16_and_cudnn(name):
     """The GPU benchmark configs, planned for an H100 node: bf16 compute over fp32 master
@@ -145,3 +178,30 @@ def test_gpu_benchmarks_plan_bf16_and_cudnn(name):
     plan = Plan.resolve(config.load(f"configs/{name}.yaml"), topology="h100x8")
     m = plan.cfg.model
     assert (m.dtype, m.param_dtype, plan.attention) == ("bfloat16", "float32", "cudnn")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The Pallas kernel through Pallas's interpreter: its plumbing runs on a CPU."""
+    monkeypatch.setattr(attention, "INTERPRET", True)
+
+
+@pytest.mark.parametrize("with_documents", [True, False])
+def test_pallas_kernel_equals_the_blocked_one(interpreted, with_documents):
+    """The Pallas-Triton kernel (interpreted) with GQA and, or not, document ids equals the
+    blocked kind, forward and gradients, over T = 256: two of its query blocks and eight of
+    its backward blocks, the diagonal and the blocks skipped above it."""
+    b, t, k, g, h = 2, 256, 2, 3, 16
+    q, kk, v = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.key(0), 3), [(b, t, k, g, h), (b, t, k, h), (b, t, k, h)]))
+    ends = np.random.default_rng(0).random((b, t)) < 0.03
+    segments = jnp.asarray(np.cumsum(ends, axis=1), jnp.int32) if with_documents else None
+
+    def grads(kernel):
+        f = lambda *a: jnp.sum(jnp.sin(kernel(*a, segments=segments)))  # noqa: E731
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, kk, v)
+
+    got, want = grads(attention.flash_attention), grads(causal_attention)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, w in zip(got[1], want[1]):
+        assert np.max(np.abs(a - w)) <= 1e-5 * np.max(np.abs(w))

@@ -229,8 +229,10 @@ def test_attention_kernels_agree(record):
     assert max(a["error"].values()) < 1e-5 and a["fused_s"] > 0 and a["blocked_s"] > 0
     d = a["documents"]
     assert max(d["error"].values()) < 1e-5 and d["fused_s"] > 0 and d["blocked_s"] > 0
+    assert max(d["pallas_error"].values()) < 1e-5 and d["pallas_s"] > 0
     report = format_report({**r, "attention": a})
     assert "attention   fused (xla)" in report and "documents   packed" in report
+    assert "Pallas (document ids)" in report
 
 
 def test_experts_grouped_matmul_against_a_dense_one(record):

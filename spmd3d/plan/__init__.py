@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import grouped
-from ..attention import choose
+from ..attention import choose, fallback
 from ..config import Config, ConfigError, compute_dtype, resolve_mesh
 from ..mesh import Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
 from ..pipeline import Schedule, layer_order
@@ -42,10 +42,11 @@ def _platform(mesh, topology: Topology) -> tuple[str, bool, bool]:
     return device.platform, float(capability) >= 9.0, True
 
 
-def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str, tuple]:
+def _with_kernels(cfg: Config, mesh, topology: Topology,
+                  documents: bool) -> tuple[Config, str, tuple]:
     """(cfg with `model.dtype` auto resolved: bf16 compute on a GPU, fp32 elsewhere, and
-    `model.expert_kernel`; the attention kind; the experts' kernel and its warning, or ()
-    for a dense model) on the mesh's devices."""
+    `model.expert_kernel`; the attention kind, for packed `documents` or not; the experts'
+    kernel and its warning, or () for a dense model) on the mesh's devices."""
     platform, hopper, devices = _platform(mesh, topology)
     m, experts = cfg.model, ()
     if m.dtype == "auto":
@@ -62,7 +63,9 @@ def _with_kernels(cfg: Config, mesh, topology: Topology) -> tuple[Config, str, t
                                                par.pipeline_repeats,
                                                par.pipeline_schedule).mode == "switch"
     return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
-                       seq=cfg.mesh.seq, hopper=hopper, branched=branched), experts
+                       seq=cfg.mesh.seq, hopper=hopper, branched=branched,
+                       seq_len=cfg.train.seq_len, stage=cfg.mesh.stage,
+                       documents=documents), experts
 
 
 def _document_eot(cfg: Config) -> int | None:
@@ -132,7 +135,8 @@ class Plan:
     @classmethod
     def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
         """The decisions for a resolved config on a given mesh."""
-        cfg, attention, experts = _with_kernels(cfg, mesh, topology)
+        eot = _document_eot(cfg)
+        cfg, attention, experts = _with_kernels(cfg, mesh, topology, eot is not None)
         m, par, tr = cfg.mesh, cfg.parallel, cfg.train
         schedule = (Schedule(m.stage, tr.microbatches, par.pipeline_repeats, par.pipeline_schedule)
                     if m.stage > 1 else None)
@@ -152,7 +156,7 @@ class Plan:
             seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
             attention=attention,
             experts=experts,
-            eot=_document_eot(cfg),
+            eot=eot,
         )
 
     @property
@@ -227,8 +231,12 @@ class Plan:
                    if kernel == "capacity" else "dropless")
             lines.append(f"experts: {kernel} ({how}){'; ' + warning if warning else ''}")
         if self.eot is not None:
+            m = self.cfg.model
+            why = fallback(platform="gpu", dtype=m.dtype, head_dim=m.dim_per_head, seq=1,
+                           seq_len=self.cfg.train.seq_len, stage=self.cfg.mesh.stage)
             dense = (", given to cuDNN as a dense T x T mask (its jax call takes no document "
-                     "ids)" if self.attention == "cudnn" else "")
+                     f"ids){'; warning: pallas ' + why if why else ''}"
+                     if self.attention == "cudnn" else "")
             lines.append(f"documents: each attends to itself alone (end of text: id {self.eot})"
                          f"{dense}")
         if self.schedule:
