@@ -252,7 +252,7 @@ def restore(target: Config | Experiment, run_dir: str | Path) -> Experiment:
     try:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
-        exp.state, exp.step = restore_or_init(exp.job, ckpt)
+        exp.state, exp.step, _ = restore_or_init(exp.job, ckpt)
     finally:
         ckpt.close()
     return exp

@@ -141,7 +141,7 @@ def measure_checkpoint(cfg: Config, saves: int = 3) -> dict:
             if mode == "sync":
                 out["bytes"] = directory_bytes(Path(tmp) / mode / str(saves))
                 start = time.perf_counter()
-                restored, _ = restore_or_init(job, ckpt, log=lambda *a: None)
+                restored, *_ = restore_or_init(job, ckpt, log=lambda *a: None)
                 jax.block_until_ready(restored)
                 out["restore_s"] = time.perf_counter() - start
             ckpt.close()

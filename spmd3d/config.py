@@ -319,6 +319,8 @@ def validate(cfg: Config) -> None:
               f"{cfg.dist.coordinator!r} is not HOST:PORT")
     _need(cfg.dist.heartbeat_timeout_s >= 2, "dist.heartbeat_timeout_s", "must be >= 2")
     _need(cfg.dist.init_timeout_s > 0, "dist.init_timeout_s", "must be positive")
+    _need(cfg.dist.min_processes >= 1, "dist.min_processes", "must be >= 1")
+    _need(cfg.dist.max_restarts >= 0, "dist.max_restarts", "must be >= 0")
 
 
 def _validate_moe(m, mesh) -> None:

@@ -294,6 +294,23 @@ class Watchdog:
 
 # ------------------------------------------------------------------------- per-process data
 
+def host_names() -> list[str]:
+    """Each process's host, in process order: `$SPMD3D_HOST` (the local launcher names its
+    slots so) or the machine's name. A collective: every process calls it."""
+    import jax
+    import numpy as np
+
+    me = (os.environ.get("SPMD3D_HOST") or socket.gethostname()).encode()[:64]
+    if jax.process_count() == 1:
+        return [me.decode()]
+    from jax.experimental import multihost_utils
+
+    row = np.zeros(64, np.uint8)
+    row[:len(me)] = np.frombuffer(me, np.uint8)
+    rows = multihost_utils.process_allgather(row)
+    return [bytes(r).rstrip(b"\0").decode() for r in np.asarray(rows).reshape(-1, 64)]
+
+
 def make_global_batch(batches, step: int, sharding, global_batch: int):
     """Step `step`'s [global_batch, T+1] token array, each process reading only the rows its
     own devices hold.

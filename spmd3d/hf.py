@@ -17,33 +17,21 @@ Query head j belongs to kv head j // G in both (transformers' `repeat_kv`), and 
 permutation. A tied checkpoint (no `lm_head`) is untied: the head starts as the embedding's
 transpose and trains on its own; an export writes both.
 
-Numpy only (no jax, no torch). Safetensors are read through a memory map (the `safetensors`
-package cannot give numpy bfloat16, the dtype of published LLaMA weights) and written with
-`safetensors.numpy`.
+Numpy only (no jax, no torch). The safetensors files are read and written a tensor at a time
+(`hf_files.py`).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
-from .schema import ConfigError, ModelConfig
-
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
-INDEX = "model.safetensors.index.json"
-
-
-class HFError(ConfigError):
-    """A Hugging Face directory this model cannot take (exit status 2, one line)."""
-
+from .hf_files import Files, HFError
+from .schema import ModelConfig
 
 # ------------------------------------------------------------------------------------- config
 FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
@@ -263,54 +251,14 @@ def weights(cfg: ModelConfig) -> tuple:
 
 
 # -------------------------------------------------------------------------- safetensors files
-def _header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
-
-
-class Reader:
-    """The tensors of a HF directory by name, each a read-only view of a memory map (nothing is
-    read until used): `reader[name] -> np.ndarray`."""
+class Reader(Files):
+    """A HF directory: its `config.json` and its tensors by name (`hf_files.Files`)."""
 
     def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
-        if not (self.dir / "config.json").is_file():
-            raise HFError("HF_DIR", f"{self.dir} has no config.json (not a transformers model)")
+        if not (Path(directory) / "config.json").is_file():
+            raise HFError("HF_DIR", f"{directory} has no config.json (not a transformers model)")
+        super().__init__(directory)
         self.config = json.loads((self.dir / "config.json").read_text())
-        index = self.dir / INDEX
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
-        if not files:
-            raise HFError("HF_DIR", f"{self.dir} has no *.safetensors weights (convert .bin "
-                                    "weights with transformers' save_pretrained first)")
-        self._where: dict[str, tuple[Path, dict, int]] = {}
-        for name in files:
-            path = self.dir / name
-            if not path.is_file():
-                raise HFError("HF_DIR", f"{path} is listed in {INDEX} but missing")
-            header, start = _header(path)
-            for key, info in header.items():
-                if key != "__metadata__":
-                    self._where[key] = (path, info, start)
-        self._maps: dict[Path, np.memmap] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._where:
-            raise HFError("HF_DIR", f"{self.dir} has no tensor {name!r}")
-        path, info, start = self._where[name]
-        if info["dtype"] not in _DTYPES:
-            raise HFError("HF_DIR", f"{name} has dtype {info['dtype']} (not a float tensor)")
-        if path not in self._maps:
-            self._maps[path] = np.memmap(path, np.uint8, mode="r")
-        a, b = info["data_offsets"]
-        raw = self._maps[path][start + a:start + b]
-        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
     def layer(self, w: Weight, cfg: ModelConfig, layer: int | None = None,
               dtype=np.float32) -> np.ndarray:
@@ -318,49 +266,5 @@ class Reader:
         names = w.hf_names(layer)
         if w.key == "head" and names[0] not in self:  # tied: the head is the embedding
             names = ["model.embed_tokens.weight"]
-        return np.ascontiguousarray(w.to_ours([self[n].astype(dtype) for n in names], cfg))
-
-
-class Writer:
-    """Writes tensors into `model-XXXXX-of-YYYYY.safetensors` files of at most `max_bytes`
-    each (a lone `model.safetensors` when one is enough) and the index transformers reads."""
-
-    def __init__(self, directory: str | Path, max_bytes: int = 5 << 30):
-        self.dir, self.max_bytes = Path(directory), max_bytes
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._pending: dict[str, np.ndarray] = {}
-        self._files: list[tuple[Path, list[str]]] = []
-        self.total = 0
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        if self._pending and self._bytes() + array.nbytes > self.max_bytes:
-            self._flush()
-        self._pending[name] = np.ascontiguousarray(array)
-        self.total += array.nbytes
-
-    def _bytes(self) -> int:
-        return sum(a.nbytes for a in self._pending.values())
-
-    def _flush(self) -> None:
-        from safetensors.numpy import save_file
-
-        path = self.dir / f"part-{len(self._files):05d}.safetensors.tmp"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
-        self._files.append((path, list(self._pending)))
-        self._pending = {}
-
-    def close(self) -> list[str]:
-        """Names the files for good and writes the index; returns the file names."""
-        if self._pending or not self._files:
-            self._flush()
-        n = len(self._files)
-        names = (["model.safetensors"] if n == 1 else
-                 [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
-        for (path, _), name in zip(self._files, names):
-            path.rename(self.dir / name)
-        if n > 1:
-            weight_map = {t: name for (_, tensors), name in zip(self._files, names)
-                          for t in tensors}
-            (self.dir / INDEX).write_text(json.dumps(
-                {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
-        return names
+        return np.ascontiguousarray(w.to_ours([self[n].astype(dtype, copy=False)
+                                               for n in names], cfg))

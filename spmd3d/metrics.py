@@ -54,6 +54,8 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
 
+    event = write  # a record that is not a step's (a resize): this file only
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -101,6 +103,12 @@ class Sinks(list):
     def write(self, record: dict) -> None:
         for sink in self:
             sink.write(record)
+
+    def event(self, record: dict) -> None:
+        """A record that is not a step's metrics: to the sinks that keep such (metrics.jsonl)."""
+        for sink in self:
+            if hasattr(sink, "event"):
+                sink.event(record)
 
     def close(self) -> None:
         for sink in self:

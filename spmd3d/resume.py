@@ -22,16 +22,18 @@ MODEL_SHAPE_FIELDS = ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'hea
 
 
 
-def checkpoint_meta(job, step: int) -> dict:
+def checkpoint_meta(job, step: int, hosts: list[str] | None = None) -> dict:
     """What a checkpoint stores beside the arrays. The data position is the step (batches are a
-    function of seed and step) and a run has no other random state."""
+    function of seed and step) and a run has no other random state. `hosts`: the processes'
+    hosts (`dist.host_names`), for the record of a later resize."""
     return {"step": step, "data_step": step, "seed": job.cfg.train.seed,
             "config": config_lib.to_dict(job.cfg), "mesh": dict(job.mesh.shape),
-            "processes": jax.process_count()}
+            "processes": jax.process_count(), "hosts": hosts or []}
 
 
 def restore_or_init(job, ckpt, log=print):
-    """(state, first step): the newest complete checkpoint if there is one, else a fresh init.
+    """(state, first step, the checkpoint's meta or None): the newest complete checkpoint if
+    there is one, else a fresh init.
 
     Raises `CheckpointError` (exit 2) for a checkpoint of another model or schema, or a
     damaged newest one unless `checkpoint.fallback` allows stepping back past it."""
@@ -39,10 +41,10 @@ def restore_or_init(job, ckpt, log=print):
     found = restore_newest(ckpt, store.flat(target), config_lib.to_dict(job.cfg)["model"],
                            fallback=job.cfg.checkpoint.fallback, log=log)
     if found is None:
-        return job.init_state(), 0
+        return job.init_state(), 0, None
     restored, meta = found
     state = store.unflat(target, restored)
-    return job.reorder(state, to_canonical=False), int(meta["step"])
+    return job.reorder(state, to_canonical=False), int(meta["step"]), meta
 
 
 def check_compatible(ckpt, step: int, meta: dict, model: dict, target: dict) -> None:

@@ -281,6 +281,9 @@ class RunConfig:
     sample_tokens: int = doc(64, "new tokens per sample")
     xla_flags: str = doc("", "XLA flags added to (or overriding) the GPU preset, e.g. "
                              "\"--xla_gpu_enable_command_buffer=\"; GPU runs only")
+    compile_cache: str = doc("", "directory of jax's persistent compilation cache: a restart "
+                                 "onto a layout compiled before (an elastic one, a resume) "
+                                 "loads its programs instead of compiling them; '' off")
     memory_check: bool = doc(True, "refuse a step that needs more memory than a device has, "
                                    "before the first step")
 
@@ -304,6 +307,9 @@ class DistConfig:
     # A process silent this long is declared lost and every other process stops (exit 1).
     heartbeat_timeout_s: int = doc(20, "seconds of silence before a process counts as lost")
     init_timeout_s: int = doc(300, "seconds the processes wait for each other at start-up")
+    # elastic continuation (`elastic.py`, `launch/local.sh --elastic`)
+    min_processes: int = doc(1, "an elastic job stops (exit 1) rather than go on with fewer")
+    max_restarts: int = doc(3, "restarts an elastic job is allowed after losing hosts")
 
 
 @dataclass(frozen=True)

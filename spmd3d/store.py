@@ -107,6 +107,28 @@ _hash_all = jax.jit(lambda tree, version: jax.tree.map(lambda x: _leaf_hash(x, v
                     static_argnums=1)
 
 
+def fingerprint_part(x, offset: int, version: int = FINGERPRINT, block: int = 1 << 16) -> int:
+    """The share of `_leaf_hash` of the host array `x`: the elements of an array from its flat
+    (row-major) index `offset` on, e.g. one layer of a stack. An array's parts add up, mod
+    2**32, to its fingerprint, so an array read a layer at a time is checked whole without
+    ever being whole in memory (numpy, a block of elements at a time)."""
+    import numpy as np
+
+    flat_x = np.ascontiguousarray(x).reshape(-1)
+    bits = flat_x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize])
+    if x.dtype.itemsize == 8:  # as `_leaf_hash`: the two words of each element mixed
+        bits = bits[0::2] ^ (bits[1::2] * np.uint32(0x85EBCA6B))
+    c, total = np.uint32(0x9E3779B1), 0
+    for start in range(0, bits.size, block):
+        b = bits[start:start + block].astype(np.uint32)
+        index = ((np.arange(b.size, dtype=np.uint64) + (offset + start)) & 0xFFFFFFFF).astype(
+            np.uint32)
+        weight = ((index * np.uint32(2) + np.uint32(1)) * c if version >= 2
+                  else index * c + np.uint32(1))
+        total += int(np.sum(b * weight, dtype=np.uint32))
+    return total & 0xFFFFFFFF
+
+
 def fingerprint(state: Any, version: int = FINGERPRINT) -> dict[str, int]:
     """{leaf path: 32-bit hash} of an array pytree, computed where the arrays live (nothing is
     gathered; one small jitted reduction per leaf); `version` of the hash (a checkpoint's

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import cli, dist, gpu
+from . import cli, dist, elastic, gpu
 from . import config as config_lib
 from .config import Config
 from .mesh import simulate_devices
@@ -119,18 +119,25 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     if cfg.run.eval_every:
         job.evals  # noqa: B018 -- too little held-out data fails now, not at the first eval
     saved = ckpt.latest_step() is not None
-    state, start = restore_or_init(job, ckpt, log=LOG.warning if lead else (lambda *a: None))
+    hosts = dist.host_names()
+    state, start, meta = restore_or_init(job, ckpt,
+                                         log=LOG.warning if lead else (lambda *a: None))
     if lead:
         LOG.info(f"{'resumed at' if saved else 'starting at'} step {start}; "
                  f"the step compiled in {compile_s:.1f} s")
 
     samples = _samples(job, lead)
     sinks = _sinks(job, run_dir, lead)
+    resized = lead and meta and elastic.record(meta, job.plan, hosts, _last_step(run_dir))
+    if resized:
+        LOG.info(elastic.describe(resized))
+        sinks.event(resized)
     records, t_last, steps_since = [], time.perf_counter(), 0
     every, steps = cfg.run.eval_every, cfg.train.steps
 
     def save(step, force=False):
-        return ckpt.save(step, job.entries(state), checkpoint_meta(job, step), force=force)
+        return ckpt.save(step, job.entries(state), checkpoint_meta(job, step, hosts),
+                         force=force)
 
     batch = job.global_batch(start) if start < steps else None
     for step in range(start, steps):
@@ -178,6 +185,17 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     return records
 
 
+def _last_step(run_dir: Path) -> int:
+    """The last step a run in `run_dir` logged (0: none), before it stopped."""
+    from .plot import read_metrics
+    from .schema import DataError
+
+    try:
+        return max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
+    except (DataError, ValueError):
+        return 0
+
+
 def _finish(job, run_dir: Path, records: list[dict], start: int, seconds: float) -> None:
     """The run's picture (`curves.png`) and its one-line summary."""
     from .metrics import duration
@@ -207,6 +225,11 @@ def _run(args: cli.Args) -> int:
     for line in gpu.apply(cfg):  # XLA_FLAGS and the optimization level, before jax starts
         LOG.info(line)
     dist.initialize(cfg)
+    if cfg.run.compile_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", cfg.run.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     train(cfg, explain=bool(args.flags.get("--explain")))
     return 0
 

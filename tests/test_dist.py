@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -147,12 +148,8 @@ def test_slurm_script_starts_one_task_per_host_that_discovery_reads(tmp_path):
     assert opts["ntasks-per-node"] == "1" and "gpus-per-node" in opts
     nodes = int(opts["nodes"])
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    srun = bin_dir / "srun"
-    srun.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD.args"\n'
-                    'env > "$RECORD.env"\n')
-    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    bin_dir = _slurm_stand_ins(tmp_path, [f"h{10 + i}" for i in range(nodes)],
+                               'printf "%s\\n" "$@" > "$RECORD.args"\nenv > "$RECORD.env"\n')
     batch_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(tmp_path / "srun"),
                  "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "77", "PYTHON": "python3",
                  "SLURM_JOB_NODELIST": f"h[10-{9 + nodes}]", "SLURM_NNODES": str(nodes)}
@@ -161,6 +158,8 @@ def test_slurm_script_starts_one_task_per_host_that_discovery_reads(tmp_path):
 
     args = (tmp_path / "srun.args").read_text().split("\n")[:-1]
     assert "--ntasks-per-node=1" in args and "--kill-on-bad-exit=1" in args
+    assert f"--nodes={nodes}" in args and "--nodelist=" + ",".join(
+        f"h{10 + i}" for i in range(nodes)) in args
     assert args[-5:] == ["python3", "-m", "spmd3d.train", "configs/demo.yaml", "train.steps=3"]
     exported = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines()
                     if "=" in line)
@@ -170,6 +169,43 @@ def test_slurm_script_starts_one_task_per_host_that_discovery_reads(tmp_path):
                     "SLURM_LOCALID": "0"}
         want = Cluster(f"h10:{61440 + 77}", nodes, rank, "slurm")
         assert discover(DistConfig(), task_env) == want
+
+
+def _slurm_stand_ins(tmp_path, hosts: list[str], srun: str, down: tuple = ()):
+    """A bin directory of stand-ins for `srun` (running the bash `srun`), `scontrol show
+    hostnames` (printing `hosts`) and `sinfo` (each host alloc, those in `down` down*)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    states = "".join(f"{h} {'down*' if h in down else 'alloc'}\n" for h in hosts)
+    for name, body in [("srun", srun), ("scontrol", f"printf '{chr(10).join(hosts)}\\n'\n"),
+                       ("sinfo", f"printf '{states.replace(chr(10), chr(92) + 'n')}'\n")]:
+        tool = bin_dir / name
+        tool.write_text("#!/usr/bin/env bash\n" + body)
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_slurm_elastic_restarts_on_the_nodes_that_respond(tmp_path):
+    """`slurm.sbatch --elastic` on 2 nodes of 8 GPUs, data 2 x tensor 8: the first step fails
+    and sinfo has h11 down; the script asks `spmd3d.elastic` and starts again on h10 alone,
+    with data 1 and twice the microbatches (the global batch kept)."""
+    calls = tmp_path / "calls"
+    srun = (f'n=$(ls {calls} 2>/dev/null | wc -l); mkdir -p {calls}; '
+            f'printf "%s\\n" "$@" > {calls}/$n; ((n == 0)) && exit 1; exit 0\n')
+    bin_dir = _slurm_stand_ins(tmp_path, ["h10", "h11"], srun, down=("h11",))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO),
+           "SLURM_JOB_ID": "77", "PYTHON": sys.executable, "SLURM_JOB_NODELIST": "h[10-11]",
+           "SLURM_GPUS_ON_NODE": "8", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "--elastic", "mesh.data=2",
+                          "mesh.tensor=8", "train.global_batch=8", "model.num_heads=8",
+                          "model.num_kv_heads=8"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, second = ((calls / str(i)).read_text().split("\n")[:-1] for i in (0, 1))
+    assert "--nodes=2" in first and "--nodelist=h10,h11" in first
+    assert "--nodes=1" in second and "--nodelist=h10" in second
+    assert second[-2:] == ["mesh.data=1", "train.microbatches=2"]
+    assert "1 of 2 nodes respond; restart 1" in out.stderr
 
 
 def test_k8s_manifest_sets_what_discovery_reads():

@@ -97,6 +97,7 @@ def exit_status_within(job, log: Path, seconds: float, after: str) -> int:
 
 def losses(run_dir: Path) -> tuple[list[int], np.ndarray]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "event" not in r]  # a resize's record (2 -> 1, 2 -> 4)
     return [r["step"] for r in records], np.array([r["loss"] for r in records])
 
 

@@ -89,8 +89,10 @@ def test_storage_imports_nothing_above_the_config():
     # gpu: the XLA flag parser config validation uses; stdlib on the schema, nothing above
     assert reachable("gpu") <= {"schema"}
     assert reachable("checkpoint") <= {"store", "config", "schema"}
-    # the Hugging Face mapping is numpy on the checkpoint schema: nothing that computes
-    assert reachable("hf") <= {"schema"}
+    # the Hugging Face mapping is numpy on the checkpoint schema and its files: nothing that
+    # computes
+    assert reachable("hf") <= {"schema", "hf_files"}
+    assert reachable("hf_files") <= {"schema"}
 
 
 def test_the_model_does_not_run_the_pipeline():

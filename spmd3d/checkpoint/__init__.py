@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ..config import ConfigError
-from ..store import FINGERPRINT, SCHEMA, fingerprint, flat, nest
+from ..store import FINGERPRINT, SCHEMA, fingerprint, flat, key_of, nest
 
 STATE_ITEM = 'state'
 META_ITEM = 'meta'
@@ -137,9 +137,9 @@ class Checkpointer:
             return False
         meta = {'schema': SCHEMA, **meta, 'fingerprint': fingerprint(state),
                 'fingerprint_version': FINGERPRINT}
-        args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
-        )
+        args = ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardSave(state, save_args=_layer_chunks(state)),
+            META_ITEM: ocp.args.JsonSave(meta)})
         saved = self._mngr.save(step, args=args, force=True)
         if saved and self.async_save:
             self._pending = step
@@ -233,6 +233,30 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _SmallChunks(logging.Filter):
+    def filter(self, record):
+        return 'target_byte_size too small' not in record.getMessage()
+
+
+_SMALL_CHUNKS = _SmallChunks()
+logging.getLogger('absl').addFilter(_SMALL_CHUNKS)
+
+
+def _layer_chunks(state):
+    """Save arguments that store a stacked array ([L, ...]: the keys under `blocks/`) in chunks of
+    one layer of a device's shard, so that one layer reads back alone (`slices.StepArrays`);
+    layers under 64 KiB (a norm's) stay in one chunk. orbax warns of chunks under 1 MiB,
+    once per array and save: that line is dropped (`_SMALL_CHUNKS`)."""
+    def args(path, x):
+        shard = x.sharding.shard_shape(x.shape) if hasattr(x, 'sharding') else np.shape(x)
+        layer = int(np.prod(shard[1:])) * np.dtype(x.dtype).itemsize
+        if 'blocks/' not in key_of(path) or len(shard) < 2 or layer < 1 << 16:
+            return ocp.SaveArgs()  # (a stack of small layers, a norm's: read whole)
+        return ocp.SaveArgs(chunk_byte_size=layer, shard_axes=(0,))
+
+    return jax.tree_util.tree_map_with_path(args, state)
 
 
 def quiet(fn):

@@ -9,11 +9,13 @@ fields from `config.json`, the rest from `--config` and the overrides) and `hf/`
 `config.json`, tokenizer and generation files, which an export hands back).
 
 Each weight goes straight into its sharding on this process's devices: a stacked weight is
-converted one layer at a time and each layer's slice copied into the shards that hold it, so
-a host holds at most its own shards of one weight plus one layer, never the model.
+converted one layer at a time and each layer's slice written into the device shards that hold
+it, so the host holds one layer of one weight (each safetensors tensor is read on its own,
+`hf_files.Files`), never the model.
 
-Export reads a checkpoint one weight at a time (a host holds the largest stacked weight,
-e.g. 15 GB for LLaMA-3 8B's MLP in fp32) and writes `config.json` and safetensors files
+Export reads a checkpoint one layer of one weight at a time (`checkpoint.slices`: a host holds
+about one layer, 0.9 GB for LLaMA-3 8B's MLP in fp32, where a whole stacked weight was 15 GB),
+each array checked against its fingerprint, and streams `config.json` and safetensors files
 (`--max-shard-gb` each, with the index transformers reads when there are several) that
 transformers' `from_pretrained` loads as they are (`LlamaForCausalLM`, `Qwen3ForCausalLM`,
 `MixtralForCausalLM` or `Qwen3MoeForCausalLM`, by `hf.family`).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from functools import lru_cache
 from pathlib import Path
 
 from .. import config as config_lib
@@ -70,7 +73,6 @@ def _place(reader, w, model, aval):
 
     shape, devices = aval.shape, aval.sharding.addressable_devices_indices_map(aval.shape)
     bounds = {d: tuple(s.indices(n)[:2] for s, n in zip(idx, shape)) for d, idx in devices.items()}
-    shards = {b: np.empty([hi - lo for lo, hi in b], aval.dtype) for b in set(bounds.values())}
 
     def convert(layer=None):
         try:
@@ -88,19 +90,37 @@ def _place(reader, w, model, aval):
     def cut(full, b):
         return full[tuple(slice(lo, hi) for lo, hi in b)]
 
-    if w.stacked:
-        for layer in range(shape[0]):
-            users = [b for b in shards if b[0][0] <= layer < b[0][1]]
-            if users:
-                full = convert(layer)
-                for b in users:
-                    shards[b][layer - b[0][0]] = cut(full, b[1:])
-    else:
+    if not w.stacked:
         full = convert()
-        for b in shards:
-            shards[b][...] = cut(full, b)
-    arrays = [jax.device_put(shards[bounds[d]], d) for d in devices]
-    return jax.make_array_from_single_device_arrays(shape, aval.sharding, arrays)
+        arrays = [jax.device_put(np.ascontiguousarray(cut(full, bounds[d])), d) for d in devices]
+        return jax.make_array_from_single_device_arrays(shape, aval.sharding, arrays)
+    # a stacked weight: each device's shard starts as zeros on the device and takes one layer
+    # at a time (updated in place: the buffer is donated), so the host holds one layer
+    import jax.numpy as jnp
+
+    bufs = {d: jnp.zeros([hi - lo for lo, hi in bounds[d]], aval.dtype, device=d)
+            for d in devices}
+    for layer in range(shape[0]):
+        users = [d for d in devices if bounds[d][0][0] <= layer < bounds[d][0][1]]
+        if users:
+            full = convert(layer)
+            for d in users:
+                piece = jax.device_put(np.ascontiguousarray(cut(full, bounds[d][1:])), d)
+                bufs[d] = _layer_setter()(bufs[d], piece, layer - bounds[d][0][0])
+                del piece  # (on a CPU it may share `full`'s memory)
+            jax.block_until_ready([bufs[d] for d in users])  # no layer left in flight
+            del full
+    return jax.make_array_from_single_device_arrays(shape, aval.sharding,
+                                                    [bufs[d] for d in devices])
+
+
+@lru_cache(maxsize=1)
+def _layer_setter():
+    """`(buf, piece, index) -> buf` with `buf[index] = piece`, in place (`buf` donated)."""
+    import jax
+
+    return jax.jit(lambda b, p, i: jax.lax.dynamic_update_index_in_dim(b, p, i, 0),
+                   donate_argnums=0)
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None) -> Path:
@@ -148,39 +168,64 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None
 # ------------------------------------------------------------------------------------ export
 def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
               dtype: str = "float32", max_bytes: int = 5 << 30) -> list[str]:
-    """Writes HF_DIR from RUN_DIR's checkpoint (newest, or `step`); returns its weight files."""
+    """Writes HF_DIR from RUN_DIR's checkpoint (newest, or `step`); returns its weight files.
+    A stacked weight is read and written one layer at a time; everything is written next to
+    HF_DIR first and renamed into place at the end, so a damaged array or a refusal leaves no
+    HF_DIR at all."""
     import ml_dtypes
     import numpy as np
+    from tqdm import tqdm
 
-    from .. import checkpoint
-    from ..hf import HFError, Writer, exportable, hf_config, weights
+    from ..checkpoint import CheckpointError, Damaged
+    from ..checkpoint.slices import StepArrays
+    from ..hf import HFError, exportable, hf_config, weights
+    from ..hf_files import Writer
 
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)
     if hf_dir.exists() and any(hf_dir.iterdir()):
         raise ConfigError("HF_DIR", f"{hf_dir} is not empty (export into a new directory)")
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    meta = checkpoint.read_meta(run_dir, step)
-    cfg = config_lib.override(Config(), **meta["config"])
+    arrays = StepArrays(run_dir, step)
+    cfg = config_lib.override(Config(), **arrays.meta["config"])
     exportable(cfg.model)
-    writer = Writer(hf_dir, max_bytes)
-    for w in weights(cfg.model):
-        value = np.asarray(checkpoint.read(run_dir, [f"params/{w.key}"], meta["step"])[0]
-                           [f"params/{w.key}"])
-        if w.key == "blocks/mlp/bias" and np.any(value):
-            raise HFError("model.router_bias_rate", "trained a selection bias for the experts, "
-                          "which no transformers family holds: the export would route otherwise")
-        for layer in (range(value.shape[0]) if w.stacked else [None]):
-            part = value if layer is None else value[layer]
-            for name, t in zip(w.hf_names(layer), w.to_hf(part, cfg.model)):
-                writer.add(name, t.astype(np_dtype))
-        del value
-    files = writer.close()
-    kept = run_dir / "hf"
-    original = kept / "config.json"
-    base = json.loads(original.read_text()) if original.is_file() else {}
-    config = hf_config(cfg.model, base, dtype)
-    (hf_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in COMPANIONS:
-        if (kept / name).is_file():
-            shutil.copy2(kept / name, hf_dir / name)
+    conversions = weights(cfg.model)
+    total = sum(int(np.prod(arrays.shapes[f"params/{w.key}"][0])) for w in conversions)
+    tmp = hf_dir.with_name(f".{hf_dir.name}.export-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer = Writer(tmp, max_bytes)
+        with tqdm(total=total, desc="export", unit=" weights", unit_scale=True,
+                  disable=None) as bar:
+            for w in conversions:
+                layer = -1  # not enumerate(): its reused result tuple would keep the last
+                # layer alive while the next one is read
+                for part in arrays.layers(f"params/{w.key}", w.stacked):
+                    layer += 1
+                    if w.key == "blocks/mlp/bias" and np.any(part):
+                        raise HFError("model.router_bias_rate", "trained a selection bias for "
+                                      "the experts, which no transformers family holds: the "
+                                      "export would route otherwise")
+                    names = w.hf_names(layer if w.stacked else None)
+                    for name, t in zip(names, w.to_hf(part, cfg.model)):
+                        writer.add(name, t.astype(np_dtype, copy=False))
+                    bar.update(part.size)
+                    del part, t  # before the next layer is read: one layer held at a time
+        files = writer.close()
+        kept = run_dir / "hf"
+        original = kept / "config.json"
+        base = json.loads(original.read_text()) if original.is_file() else {}
+        config = hf_config(cfg.model, base, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in COMPANIONS:
+            if (kept / name).is_file():
+                shutil.copy2(kept / name, tmp / name)
+        if hf_dir.exists():
+            hf_dir.rmdir()  # empty (checked above)
+        tmp.rename(hf_dir)
+    except Damaged as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("checkpoint", f"{run_dir}: {e}; nothing was exported") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return files
