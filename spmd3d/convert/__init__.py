@@ -208,8 +208,9 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
                     names = w.hf_names(layer if w.stacked else None)
                     for name, t in zip(names, w.to_hf(part, cfg.model)):
                         writer.add(name, t.astype(np_dtype, copy=False))
+                        del t  # (a view of `part`)
                     bar.update(part.size)
-                    del part, t  # before the next layer is read: one layer held at a time
+                    del part  # before the next layer is read: one layer held at a time
         files = writer.close()
         kept = run_dir / "hf"
         original = kept / "config.json"
