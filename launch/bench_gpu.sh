@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
-# and -3B shapes), the fused attention against the blocked one (and both with packed
-# documents, beside the Pallas kernel that takes their ids), an MoE step (MFU by active
-# parameters) and its grouped matmul against a dense one, a profile's top ops, and the
-# planner calibrated on the 1B run then asked to predict the 3B one; with several GPUs, the
-# pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.
+# and -3B shapes) in bf16 and with FP8 projections, the fused attention against the blocked
+# one (and both with packed documents, beside the Pallas kernel that takes their ids), an MoE
+# step (MFU by active parameters) and its grouped matmul against a dense one, a profile's top
+# ops, and the planner calibrated on the 1B run then asked to predict the 3B one; with several
+# GPUs, the pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.
 #
 #   launch/bench_gpu.sh [OUTDIR]       (default runs/bench_gpu; PYTHON=... to pick the interpreter)
 #
@@ -27,12 +27,16 @@ bench() {  # NAME CONFIG [args...]: one bench run, bounded, its record and log u
   timeout "${BENCH_TIMEOUT:-300}" "$py" -m spmd3d.bench "$@" --json > "$out/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
   tail -n 1 "$out/$name.log" > "$out/$name.json"
-  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|documents|experts|collectives)" \
+  grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|documents|experts|collectives|fp8)" \
     "$out/$name.log" || tail -n 5 "$out/$name.log"
 }
 
 bench gpu_1b configs/gpu_1b.yaml --steps=10 --attention --profile="$out/trace_1b"
 bench gpu_3b configs/gpu_3b.yaml --steps=10
+# FP8 projections (delayed scaling) beside the bf16 rows above: tokens/s, MFU against the
+# float8 peak, and the FP8 GEMMs XLA made of the projections
+bench gpu_1b_fp8 configs/gpu_1b.yaml --steps=10 model.fp8=delayed
+bench gpu_3b_fp8 configs/gpu_3b.yaml --steps=10 model.fp8=delayed
 
 # Mixture-of-Experts on the 1B shape cut to 8 layers: 8 experts of half the MLP's width, top-2
 # (the dense MLP's active FLOPs), beside the dense model of those 8 layers; the experts' kernel

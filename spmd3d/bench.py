@@ -210,6 +210,8 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "tokens_per_s": tokens_per_s,
         "mfu": mfu(tokens_per_s, cfg.model, cfg.train.seq_len, job.peak_flops),
         "peak_tflops": job.peak_flops / 1e12,
+        "peak_dtype": job.plan.peak_dtype,
+        **({"fp8_gemms": hlo.fp8_gemms(compiled.as_text())} if cfg.model.fp8 != "off" else {}),
         "memory": hlo.memory(compiled),
         "peak_bytes": (stats or {}).get("peak_bytes_in_use"),
         "collectives": [{"kind": k, "axes": list(a), "count": n}
@@ -232,13 +234,16 @@ def format_report(r: dict) -> str:
         f"  step time   median {r['step_time_median_s'] * 1e3:.1f} ms, "
         f"mean {r['step_time_mean_s'] * 1e3:.1f} ms over {r['steps']} steps",
         f"  throughput  {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}% of "
-        f"{r['peak_tflops']:,.1f} TFLOP/s {r['dtype']} peak (causal attention counted half)",
+        f"{r['peak_tflops']:,.1f} TFLOP/s {r.get('peak_dtype', r['dtype'])} peak (causal "
+        f"attention counted half)",
         f"  memory/dev  args {gib(mem['argument_bytes'])}, out {gib(mem['output_bytes'])}, "
         f"temp {gib(mem['temp_bytes'])}, total {gib(mem['total_bytes'])}",
     ]
     if r["peak_bytes"] is not None:
         lines.append(f"  peak in use {gib(r['peak_bytes'])} (device 0)")
     lines.append(f"  collectives {colls}")
+    if "fp8_gemms" in r:
+        lines.append(f"  fp8 GEMMs   {r['fp8_gemms']} in the compiled step")
     if "checkpoint" in r:
         c = r["checkpoint"]
         lines.append(f"  checkpoint  {c['bytes'] / 2**20:.1f} MiB: async save blocks "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS,  # noqa: F401
+from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS, FP8_RECIPES,  # noqa: F401
                      PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig,
                      Config, ConfigError, DataConfig, DataError, DistConfig, MeshConfig,
                      ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
@@ -222,6 +222,9 @@ def validate(cfg: Config) -> None:
     _need(m.attention in ATTENTION_KERNELS, "model.attention",
           f"must be one of {', '.join(ATTENTION_KERNELS)}")
     _need(m.head_dim >= 0, "model.head_dim", "must be >= 0")
+    _need(m.fp8 in FP8_RECIPES, "model.fp8", f"must be one of {', '.join(FP8_RECIPES)}")
+    _need(m.fp8_history >= 1, "model.fp8_history", "must be >= 1")
+    _need(m.fp8_margin >= 0, "model.fp8_margin", "must be >= 0")
     _divides("model.num_heads", m.num_heads, m.num_kv_heads, "model.num_kv_heads")
     if not m.head_dim:
         _divides("model.d_model", m.d_model, m.num_heads, "model.num_heads")

@@ -38,10 +38,11 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
     """(the config to compile, the factor its `data` axis was cut by) for at most
     MAX_SIMULATED devices; bf16 compute becomes fp16 (see the module's docstring)."""
     m = cfg.model
-    # XLA:CPU has no cuDNN: attention compiles as the blocked kernel (or the ring)
+    # XLA:CPU has no cuDNN: attention compiles as the blocked kernel (or the ring); nor FP8
+    # GEMMs: the projections' casts and scales compile emulated
     model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
                     param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype,
-                    attention="blocked")
+                    attention="blocked", fp8_emulate=True)
     fixed = cfg.mesh.non_data
     data = devices // fixed
     cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED),

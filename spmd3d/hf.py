@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from .hf_files import Files, HFError
-from .schema import ModelConfig
+from .schema import FP8_BINS, FP8_ROLES, ModelConfig
 
 # ------------------------------------------------------------------------------------- config
 FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
@@ -226,7 +226,6 @@ def _moe_weights(cfg: ModelConfig) -> tuple:
     prefix, router, gate, up, down = _EXPERTS[family(cfg)]
     e = cfg.num_experts
     each = [_LAYER + f"{prefix}experts.{j}." for j in range(e)]
-    zeros = lambda n: (lambda ts, cfg: np.zeros(n, np.float32))  # noqa: E731
     return (
         Weight("blocks/mlp/router", (_LAYER + f"{prefix}{router}.weight",), _T, _T_OUT),
         Weight("blocks/mlp/w_gate_up",
@@ -236,9 +235,26 @@ def _moe_weights(cfg: ModelConfig) -> tuple:
                lambda w, cfg: [w[j, :, 0].T for j in range(e)] + [w[j, :, 1].T for j in range(e)]),
         Weight("blocks/mlp/w_down", tuple(f"{x}{down}.weight" for x in each),
                lambda ts, cfg: np.stack([t.T for t in ts]), lambda w, cfg: [t.T for t in w]),
-        Weight("blocks/mlp/bias", (), zeros(e), lambda w, cfg: []),
-        Weight("blocks/mlp/probe", (), zeros(e + 3), lambda w, cfg: []),  # moe.stats_size
+        Weight("blocks/mlp/bias", (), _zeros(e), _NONE),
+        Weight("blocks/mlp/probe", (), _zeros(e + 3), _NONE),  # moe.stats_size
     )
+
+
+def _zeros(shape):  # our own state's conversion: zeros on import ...
+    return lambda ts, cfg: np.zeros(shape, np.float32)
+
+
+def _NONE(w, cfg):  # ... and nothing on export
+    return []
+
+
+def _fp8_weights(cfg: ModelConfig) -> tuple:
+    """FP8's scaling state (`fp8.Fp8Meta`: amax histories and probes of the two projections
+    of attention and of a dense MLP), ours alone: zeros on import (no history), not
+    exported."""
+    return tuple(Weight(f"blocks/{module}/fp8/{leaf}", (), _zeros((2, FP8_ROLES, n)), _NONE)
+                 for module in ("attn",) + (() if cfg.is_moe else ("mlp",))
+                 for leaf, n in (("history", cfg.fp8_history), ("probe", FP8_BINS)))
 
 
 def weights(cfg: ModelConfig) -> tuple:
@@ -247,7 +263,8 @@ def weights(cfg: ModelConfig) -> tuple:
     if cfg.qk_norm:
         out += [Weight(f"blocks/attn/{n}", (_LAYER + f"self_attn.{n}.weight",), _SAME, _SAME_OUT)
                 for n in ("q_norm", "k_norm")]
-    return tuple(out) + (_moe_weights(cfg) if cfg.is_moe else ())
+    return (tuple(out) + (_moe_weights(cfg) if cfg.is_moe else ())
+            + (_fp8_weights(cfg) if cfg.fp8 != "off" else ()))
 
 
 # -------------------------------------------------------------------------- safetensors files

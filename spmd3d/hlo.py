@@ -183,6 +183,12 @@ def matmul_flops(hlo_text: str) -> float:
     return total
 
 
+def fp8_gemms(hlo_text: str) -> int:
+    """FP8 GEMMs in a compiled GPU module: the cuBLASLt calls XLA rewrote a dequantize ->
+    dot into (what MaxText's FP8 test counts), each once however often its loop runs."""
+    return hlo_text.count('custom_call_target="__cublas$lt$matmul$f8"')
+
+
 def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
     """{instruction name: (opcode, result shape)} of every instruction in an HLO module."""
     return {m["name"]: (m["opcode"], m["shape"]) for m in _INSTRUCTION.finditer(hlo_text)}

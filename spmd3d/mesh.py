@@ -38,13 +38,15 @@ MESH_DIR = Path(__file__).resolve().parent / "meshes"  # top-level meshes/ links
 
 # Dense tensor-core peak TFLOP/s per GPU by `device_kind` (what jax reports, lower-cased,
 # matched by the first pattern it contains), from NVIDIA's data sheets; float32 is TF32, which
-# XLA uses for float32 matmuls on these GPUs. SXM parts; H200 has H100 SXM's compute.
+# XLA uses for float32 matmuls on these GPUs; float8 (e4m3/e5m2 GEMMs, Hopper on) is what
+# `model.fp8` runs its projections at. SXM parts; H200 has H100 SXM's compute.
+FP8_PEAK = "float8"
 DEVICE_PEAK_TFLOPS = (
-    ("gh200", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4}),
-    ("h200", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4}),
-    ("h100 pcie", {"float32": 378.0, "bfloat16": 756.0, "float16": 756.0}),
-    ("h100 nvl", {"float32": 417.5, "bfloat16": 835.0, "float16": 835.0}),
-    ("h100", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4}),
+    ("gh200", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
+    ("h200", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
+    ("h100 pcie", {"float32": 378.0, "bfloat16": 756.0, "float16": 756.0, "float8": 1513.0}),
+    ("h100 nvl", {"float32": 417.5, "bfloat16": 835.0, "float16": 835.0, "float8": 1670.5}),
+    ("h100", {"float32": 494.7, "bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
     ("a100", {"float32": 156.0, "bfloat16": 312.0, "float16": 312.0}),
 )
 

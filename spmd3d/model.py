@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from . import moe
+from . import fp8, moe
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .manual import psum, unroll, vary
@@ -56,10 +56,14 @@ def _use(p: Param, dtype):
 
 
 def _project(module, name: str, x, ops: Ops | None = None):
-    """Projection `name` of `module` (its `PROJECTIONS`: weight and einsum) applied to x."""
+    """Projection `name` of `module` (its `PROJECTIONS`: weight and einsum) applied to x,
+    through FP8 when the module has scaling state (`fp8.einsum`)."""
     weight, spec = module.PROJECTIONS[name]
+    w = _use(getattr(module, weight), module.dtype)
     with jax.named_scope(name):  # the planner finds a projection's output by this name
-        y = jnp.einsum(spec, x, _use(getattr(module, weight), module.dtype))
+        meta = getattr(module, "fp8", None)
+        y = jnp.einsum(spec, x, w) if meta is None else \
+            fp8.einsum(spec, x, w, meta, list(module.PROJECTIONS).index(name))
     return y if ops is None else ops.project(name, x, y)
 
 
@@ -109,6 +113,7 @@ class Attention(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
                           out_std, cfg.param_dtype)
+        self.fp8 = fp8.meta(len(self.PROJECTIONS), cfg)
 
     def __call__(self, x_btd, cos, sin, ops: Ops, segments=None):
         qkv = _project(self, "qkv", x_btd, ops)
@@ -144,6 +149,7 @@ class MLP(nnx.Module):
                                 cfg.init_std, cfg.param_dtype)
         self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"),
                              cfg.init_std / (2 * cfg.num_layers) ** 0.5, cfg.param_dtype)
+        self.fp8 = fp8.meta(len(self.PROJECTIONS), cfg)
 
     def __call__(self, x_btd, ops: Ops | None = None):
         h = _project(self, "gate_up", x_btd, ops)

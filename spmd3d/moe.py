@@ -28,13 +28,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from . import grouped
 from .manual import psum, vary, varying
 from .mesh import DATA, EXPERT, SEQ
-from .sharding import Param, current_layout
+from .sharding import Untrained, current_layout
 from .vocab import token_shards
 
 TOKEN_AXES = (DATA, EXPERT, SEQ)  # the mesh axes that split tokens
@@ -283,36 +282,20 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
 
 
 # ---------------------------------------------------------------------------------------------
-# the step's side: statistics out of the gradients, the bias rule, what the optimizer skips
+# the step's side: the router's state, statistics out of the gradients, the bias rule
 
-class RouterState(Param):
+class RouterState(Untrained):
     """A router's per-layer vector that is state but not trained by the optimizer: the
     selection-only expert bias (updated by the step's rule, `update_bias`) and the statistics
     probe, a zero whose gradient is the layer's routing statistics (`balanced`). Both are kept
     in checkpoints like the weights."""
 
 
-def _router_state(v) -> bool:
-    return isinstance(v, RouterState)
-
-
-def trainable(params):
-    """A tree of bools: False for the RouterState leaves (the bias and the statistics probe),
-    which the optimizer neither updates nor keeps moments for."""
-    return jax.tree.map(lambda v: not _router_state(v), params,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def split_stats(grads):
-    """(per-layer statistics [L, E + 3] in storage order, or None for a dense model; the
-    gradients with every RouterState leaf's zeroed). The statistics are the probe's gradient
-    (`balanced`), already divided by the step's tokens: each expert's assignments per token,
-    the balancing loss, the z-loss and the dropped assignments per token."""
-    mlp = grads["blocks"]["mlp"]
-    stats = mlp["probe"][...] if "probe" in mlp else None
-    zeroed = jax.tree.map(lambda v: jax.tree.map(jnp.zeros_like, v) if _router_state(v) else v,
-                          grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return stats, zeroed
+def stats_of(grads):
+    """Per-layer statistics [L, E + 3] in storage order: the probe's gradient (`balanced`),
+    already divided by the step's tokens: each expert's assignments per token, the balancing
+    loss, the z-loss and the dropped assignments per token."""
+    return grads["blocks"]["mlp"]["probe"][...]
 
 
 def step_metrics(stats_ls, active=None) -> dict:

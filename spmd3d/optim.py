@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from .config import OptimConfig
+from .sharding import trainable
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -92,8 +93,8 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float, eps: float,
 
 def make_optimizer(cfg: OptimConfig, params=None) -> optax.GradientTransformation:
     """Clipping (unless `clip_norm` is 0), Adam, decoupled weight decay: `optax.adamw` up to
-    its final scaling by -lr, which the step applies. For a model with router state (MoE:
-    `moe.trainable` says which leaves; `params` is any tree shaped as the parameters), the
+    its final scaling by -lr, which the step applies. For a model with `Untrained` state (the
+    MoE router's, FP8's scaling; `params` is any tree shaped as the parameters), the
     optimizer is masked to the trained leaves: no moments for the rest, whose updates the
     step makes itself."""
     moments = None if cfg.moment_dtype == "auto" else cfg.moment_dtype
@@ -101,7 +102,5 @@ def make_optimizer(cfg: OptimConfig, params=None) -> optax.GradientTransformatio
                      optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
     if params is None:
         return tx
-    from .moe import trainable
-
     mask = trainable(params)
     return tx if all(jax.tree.leaves(mask)) else optax.masked(tx, trainable)

@@ -76,9 +76,9 @@ class Job:
 
     @cached_property
     def peak_flops(self) -> float:
-        """Peak FLOP/s of all the job's devices at the compute dtype (the MFU denominator):
+        """Peak FLOP/s of all the job's devices at `Plan.peak_dtype` (the MFU denominator):
         by the devices' kind where it is known (H100, H200, A100), else the topology's."""
-        return self.topology.peak_flops(self.cfg.model.dtype, self.plan.num_devices,
+        return self.topology.peak_flops(self.plan.peak_dtype, self.plan.num_devices,
                                         jax.devices()[0].device_kind)
 
     def global_batch(self, step: int):

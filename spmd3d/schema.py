@@ -16,6 +16,8 @@ ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
 EXPERT_KERNELS = ("auto", "ragged", "tokamax")  # the experts' grouped matmul (grouped.py)
+FP8_RECIPES = ("off", "delayed")  # FP8 projections and their scaling (fp8.py)
+FP8_ROLES, FP8_BINS = 3, 1024  # its state's sizes: input, weight, gradient; histogram bins
 
 
 def compute_dtype(dtype: str, platform: str) -> str:
@@ -114,6 +116,14 @@ class ModelConfig:
                                  "JAX), cudnn (cuDNN flash attention) or pallas (Pallas-Triton "
                                  "flash attention with document ids)")
     qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
+    # FP8 projections (fp8.py): QKV, attention output and the MLP's, e4m3 forward, e5m2
+    # gradients, per-tensor scales; the rest stays in `dtype`
+    fp8: str = doc("off", "FP8 projections: off, or delayed (each tensor's scale from its amax "
+                          "over the last fp8_history steps; a Hopper GPU or later)")
+    fp8_emulate: bool = doc(False, "FP8: the same casts and scales with the GEMMs in "
+                                   "model.dtype, on any device (the CPU tests' mode)")
+    fp8_history: int = doc(1024, "FP8 delayed scaling: steps of amax history a scale comes from")
+    fp8_margin: int = doc(0, "FP8: each scale leaves 2^margin headroom above the amax")
     # Mixture-of-Experts (moe.py): every layer's MLP is `num_experts` SwiGLU experts, each
     # token sent to `experts_per_token` of them by a router, plus `shared_experts` every token
     # passes through

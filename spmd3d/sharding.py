@@ -42,6 +42,8 @@ LOGICAL_NAMES = (
     "mlp", "vocab", "layers", "gate_up", "norm",
     # MoE: an expert weight's expert dim and its d_model dim; a router's expert dim (never split)
     "experts", "expert_embed", "routes",
+    # FP8 scaling state: a projection's amax histories and probes (fp8.py; never split)
+    "fp8",
 )
 
 
@@ -124,6 +126,7 @@ def compute_rules(sequence_parallel: bool = False, expert: bool = False) -> Rule
         ("experts", EXPERT if expert else None),
         ("expert_embed", None),
         ("routes", None),
+        ("fp8", None),
     ))
 
 
@@ -199,6 +202,27 @@ class Param(nnx.Param):
         axes = list(self.get_metadata("axes"))
         axes.pop(index)
         self.set_metadata("axes", tuple(axes))
+
+
+class Untrained(Param):
+    """State kept with the parameters (sharded, stacked and checkpointed like them) that the
+    step updates by its own rule, not the optimizer: no moments, no weight decay, and its
+    gradient, a statistic, counts neither in the gradient norm nor in clipping. The MoE
+    router's bias and statistics probe (`moe.RouterState`), FP8's amax histories and probes
+    (`fp8.Fp8State`)."""
+
+
+def trainable(params):
+    """A tree of bools: False for the `Untrained` leaves."""
+    return jax.tree.map(lambda v: not isinstance(v, Untrained), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def untrained_zeroed(grads):
+    """`grads` with every `Untrained` leaf's zeroed (what the optimizer and the norm see)."""
+    return jax.tree.map(lambda v: jax.tree.map(jnp.zeros_like, v)
+                        if isinstance(v, Untrained) else v,
+                        grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shardings_for(tree, rules: Rules, mesh):

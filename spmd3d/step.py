@@ -22,14 +22,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, moe, pipeline
+from . import attention, fp8, moe, pipeline
 from . import ops as ops_lib
 from .ops import Ops
 from .pipeline import run as pipelined
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import activation_rules, constrain, mesh_axes, shardings_for, use_param
+from .sharding import (activation_rules, constrain, mesh_axes, shardings_for, untrained_zeroed,
+                       use_param)
 
 
 class TrainState(NamedTuple):
@@ -342,8 +343,10 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
     grads_and_loss = make_grad_fn(plan, graphdef)
 
     def train_step(state: TrainState, tokens):
-        loss, grads = grads_and_loss(state.params, tokens)
-        stats, grads = moe.split_stats(grads) if cfg.model.is_moe else (None, grads)
+        loss, observed = grads_and_loss(state.params, tokens)
+        # the untrained state's gradients are statistics: the router's, FP8's amaxes
+        stats = moe.stats_of(observed) if cfg.model.is_moe else None
+        grads = untrained_zeroed(observed)
         grad_norm = optax.tree.norm(grads)
         # ZeRO-1+: each data shard updates only its slice of the moments and the weights
         grads = jax.lax.with_sharding_constraint(grads, shardings_for(grads, rules.opt, mesh))
@@ -357,6 +360,8 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
             params["blocks"]["mlp"]["bias"] = bias.replace(
                 moe.update_bias(bias[...], stats, cfg.model.router_bias_rate))
             params["blocks"]["mlp"]["probe"] = state.params["blocks"]["mlp"]["probe"]
+        if cfg.model.fp8 != "off":
+            params = fp8.advance(params, observed, state.params)
         return TrainState(state.step + 1, params, opt), metrics
 
     return jax.jit(train_step, in_shardings=(shardings, plan.batch_sharding),

@@ -25,7 +25,10 @@ STATE_LAYOUTS = [
     # three stages of four layers: the stored stack is padded to six slots
     dict(data=2, stage=3, zero=1, micro=4, extra=["model.num_layers=4"]),
     dict(data=2, seq=2, tensor=2, zero=3),
-    dict(data=4, tensor=2, zero=1, extra=["optim.moment_dtype=bfloat16"])]
+    dict(data=4, tensor=2, zero=1, extra=["optim.moment_dtype=bfloat16"]),
+    # FP8's scaling state: parameters and gradients, no moments
+    dict(data=2, stage=2, tensor=2, zero=3, micro=2,
+         extra=["model.fp8=delayed", "model.fp8_emulate=true", "model.fp8_history=64"])]
 
 
 @pytest.mark.parametrize("layout", STATE_LAYOUTS)

@@ -24,7 +24,7 @@ import numpy as np
 from .. import grouped
 from ..attention import choose, fallback
 from ..config import Config, ConfigError, compute_dtype, resolve_mesh
-from ..mesh import Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
+from ..mesh import FP8_PEAK, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
 from ..pipeline import Schedule, layer_order
 from ..ring import zigzag_order
 from ..sharding import ZeroRules, zero_rules
@@ -32,12 +32,12 @@ from ..sharding import ZeroRules, zero_rules
 
 def _platform(mesh, topology: Topology) -> tuple[str, bool, bool]:
     """(platform, whether the GPUs are Hopper or later, whether there are devices) of the
-    mesh's devices; a plan without devices takes the topology's platform and assumes no
-    Hopper."""
+    mesh's devices; a plan without devices takes the topology's platform, and Hopper when
+    the topology has an FP8 peak."""
     try:
         device = mesh.devices.flat[0]
     except ValueError:  # an AbstractMesh has no devices
-        return topology.platform, False, False
+        return topology.platform, FP8_PEAK in dict(topology.peak_tflops), False
     capability = getattr(device, "compute_capability", None) or "0"
     return device.platform, float(capability) >= 9.0, True
 
@@ -57,6 +57,11 @@ def _with_kernels(cfg: Config, mesh, topology: Topology,
                                  devices=devices)
         if experts[0] != "capacity":
             m = replace(m, expert_kernel=experts[0])
+    if m.fp8 != "off" and not m.fp8_emulate and not (platform == "gpu" and hopper):
+        raise ConfigError("model.fp8", f"FP8 GEMMs need a Hopper GPU or later (this run's "
+                          f"devices are {'older GPUs' if platform == 'gpu' else platform}); "
+                          f"model.fp8_emulate=true runs the same casts and scales with the "
+                          f"GEMMs in {m.dtype}")
     cfg = replace(cfg, model=m)
     par = cfg.parallel  # a switch table runs each stage's layers inside a conditional
     branched = cfg.mesh.stage > 1 and Schedule(cfg.mesh.stage, cfg.train.microbatches,
@@ -188,6 +193,13 @@ class Plan:
         return self.schedule.microbatches if self.schedule else self.accum_steps
 
     @property
+    def peak_dtype(self) -> str:
+        """The peak FLOP/s that MFU is taken against: float8's where the projections run FP8
+        GEMMs (`model.fp8`, not emulated), else the compute dtype's."""
+        m = self.cfg.model
+        return FP8_PEAK if m.fp8 != "off" and not m.fp8_emulate else m.dtype
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens a step trains on (the global batch's sequences times their length)."""
         return self.cfg.train.global_batch * self.cfg.train.seq_len
@@ -239,6 +251,11 @@ class Plan:
                      if self.attention == "cudnn" else "")
             lines.append(f"documents: each attends to itself alone (end of text: id {self.eot})"
                          f"{dense}")
+        if self.cfg.model.fp8 != "off":
+            m = self.cfg.model
+            lines.append(f"fp8: the projections' GEMMs in e4m3 (e5m2 gradients), scales from "
+                         f"{m.fp8_history} steps of amax history"
+                         + (f"; emulated: the GEMMs run in {m.dtype}" if m.fp8_emulate else ""))
         if self.schedule:
             lines.append(self.schedule.describe(self.layer_order))
         elif self.accum_steps > 1:

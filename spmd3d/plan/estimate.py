@@ -13,7 +13,7 @@ import math
 
 from ..mesh import data_degree
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
-                     state_bytes, tokens_per_pass)
+                     state_bytes, tokens_per_pass, UNTRAINED)
 from ..units import gb
 from . import quirks
 from .quirks import applies
@@ -202,7 +202,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
 
     blocks = [k for k in shapes if k.startswith("blocks/")]
     experts = [k for k in blocks if "experts" in shapes[k][1]]  # split over `expert` already
-    fp32 = [k for k in blocks if "norm" in k or k.endswith(("router", "mlp/bias", "mlp/probe"))]
+    fp32 = [k for k in blocks if "norm" in k or k.endswith(("router",) + UNTRAINED)]
     # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
     # `manual.vary`)
     for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, ("data",))):
@@ -271,11 +271,13 @@ def step_time(plan, flop: dict | None = None, comm: dict | None = None) -> dict:
     (remat's repeated forwards) and `exposed_comm_s`."""
     topo = plan.topology
     flop, comm = flop or flops(plan), comm or collectives(plan)
-    peak = topo.peak_flops(plan.cfg.model.dtype)
+    # FP8 projections at float8's peak (the head's matmul counted with them); attention's
+    # products stay in the compute dtype
+    peak, attention_peak = topo.peak_flops(plan.peak_dtype), topo.peak_flops(plan.cfg.model.dtype)
 
     def seconds(kind):
         return (flop[f"{kind}matmul"] / (peak * topo.matmul_efficiency)
-                + flop[f"{kind}attention"] / (peak * topo.attention_efficiency))
+                + flop[f"{kind}attention"] / (attention_peak * topo.attention_efficiency))
 
     compute, bubble = seconds(""), seconds("bubble_")
     s = plan.schedule

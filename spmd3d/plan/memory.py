@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..schema import FP8_BINS, FP8_ROLES
 from ..mesh import data_degree
 from . import residuals
 from .quirks import applies
@@ -61,11 +62,21 @@ def param_shapes(m: ModelConfig, layers: int) -> dict:
         if shared:
             stacked.update({"mlp/shared/w_gate_up": ((d, 2, shared), ("embed", "gate_up", "mlp")),
                             "mlp/shared/w_down": ((shared, d), ("mlp", "embed"))})
+    if m.fp8 != "off":  # fp8.Fp8Meta: two projections' amax histories and probes per module
+        modules = ("attn",) + (("mlp/shared",) if m.is_moe and m.shared_experts else
+                               () if m.is_moe else ("mlp",))
+        stacked.update({f"{module}/fp8/{leaf}": ((2, FP8_ROLES, n), ("fp8",) * 3)
+                        for module in modules
+                        for leaf, n in (("history", m.fp8_history), ("probe", FP8_BINS))})
     out = {"embed": ((v, d), ("vocab", "embed"))}
     out.update({f"blocks/{key}": ((layers, *shape), ("layers", *names))
                 for key, (shape, names) in stacked.items()})
     out.update({"final_norm/scale": ((d,), ("norm",)), "head": ((d, v), ("embed", "vocab"))})
     return out
+
+
+# the keys of `Untrained` state (the router's, FP8's): no optimizer moments
+UNTRAINED = ("mlp/bias", "mlp/probe", "fp8/history", "fp8/probe")
 
 
 def ROUTER_STATE(e: int) -> dict:  # noqa: N802 -- a table, by expert count
@@ -94,7 +105,7 @@ def state_bytes(plan) -> dict:
 
     def total(table, size, trained=False):
         return sum(shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
-                   if not (trained and k.endswith(("mlp/bias", "mlp/probe")))) * size
+                   if not (trained and k.endswith(UNTRAINED))) * size
 
     moments = plan.cfg.optim.moment_dtype
     return {"parameters": total(rules.params, pbytes),

@@ -1,0 +1,262 @@
+"""FP8 projections (`model.fp8=delayed`), emulated on the CPU: the casts and scales of the GPU
+path with the GEMMs in float32.
+
+Layouts give one device's FP8 numbers, within what FP8 itself allows. Rounding to FP8 is a
+step function, and values built from FP8 products land on its ties (midpoints between two
+FP8 values) often, so float32's reordering between layouts (1e-7) rounds some elements the
+other way. Measured at a state with amax histories (three steps in): each gradient leaf of a
+layout differs from one device's by 2e-4 to 9e-4 relative (L2), and one device's own
+gradients move by as much (5e-4 to 1e-3) when its weights are perturbed by 1e-7. So:
+- the loss, and every amax the step learns, are equal (1e-5; the amaxes exactly);
+- each gradient leaf within 3e-3 relative (L2); skipping a quantization or taking a wrong
+  scale is an error of several percent;
+- at the fresh state (unit scales, no ties yet) every gradient to 1e-5 of its largest value;
+- over several steps the losses agree to 1e-3, as bfloat16's do (test_bf16.py).
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (SMALL, by_layout, devices_for, job_for, max_rel_diff, small_config,
+                     start_state, _grad_fn)
+from spmd3d import config, fp8
+from spmd3d.checkpoint import load
+from spmd3d.plan import Plan
+from spmd3d.step import microbatches, reorder
+from spmd3d.store import flat
+
+FP8 = ["model.fp8=delayed", "model.fp8_emulate=true", "model.fp8_history=16"]
+WARM = 3  # steps of one-device training before the gradients are compared
+
+LAYOUTS = {
+    "dp4_tp2_sp": dict(data=4, tensor=2, sp=True),
+    "dp2_pp2_tp2_1f1b": dict(data=2, stage=2, tensor=2, micro=4,
+                             extra=["parallel.pipeline_schedule=1f1b"]),
+}
+
+
+def cfg(extra=(), **kw):
+    return small_config(**kw, extra=FP8 + list(extra))
+
+
+# ------------------------------------------------------------------------------- the pieces
+def test_summed_histograms_stand_for_the_largest_amax():
+    amaxes = [0.3, 1e-5, 7.0, 448.0, 6.9, 2.0 ** -20]
+    for a in amaxes:  # each amax's bin: its upper edge is at most a quarter binade above it
+        edge = float(fp8.amax_of(fp8.histogram(jnp.float32(a))))
+        assert a <= edge < a * 2 ** 0.25, (a, edge)
+    summed = sum(fp8.histogram(jnp.float32(a)) for a in amaxes)
+    assert float(fp8.amax_of(summed)) == float(fp8.amax_of(fp8.histogram(jnp.float32(448.0))))
+    # an amax on an edge (a tensor clipped by the fp8 range) is that edge, whatever its rounding
+    for a in (2.0, 2.0 * (1 + 1e-6), 2.0 * (1 - 1e-7)):
+        assert float(fp8.amax_of(fp8.histogram(jnp.float32(a)))) == 2.0
+    assert not np.any(fp8.histogram(jnp.float32(0.0)))
+    assert float(fp8.amax_of(jnp.zeros(fp8.BINS))) == 0.0
+
+
+def test_qdq_gives_fp8_values_times_the_scale_and_saturates():
+    x = jax.random.normal(jax.random.key(0), (4096,)) * 30
+    for dtype, scale in ((fp8.E4M3, 0.25), (fp8.E5M2, 2.0 ** -10)):
+        y = np.asarray(fp8.qdq(x, dtype, jnp.float32(scale)))
+        units = y / scale
+        assert np.array_equal(units, units.astype(dtype).astype(np.float32))
+        fmax = float(jnp.finfo(dtype).max)
+        assert np.max(np.abs(units)) == fmax  # x reaches past the range: saturated, not inf
+        inside = np.abs(np.asarray(x)) / scale < fmax
+        rel = np.abs(y - np.asarray(x))[inside] / np.maximum(np.abs(np.asarray(x))[inside], 1e-3)
+        assert np.max(rel[np.abs(np.asarray(x))[inside] / scale > 1]) <= 2.0 ** -(
+            3 if dtype == fp8.E4M3 else 2)
+
+
+def test_scales_come_from_the_history():
+    h = jnp.asarray([[0.0, 0.0], [2.0, 448.0], [1.0, 0.5]])[None]  # [1, 3 roles, 2 steps]
+    s = np.asarray(fp8.scales(jnp.broadcast_to(h, (1, 3, 2))))[0]
+    assert s[0] == 1.0  # nothing seen yet
+    assert s[1] == 1.0  # 448 / e4m3's 448
+    assert s[2] == pytest.approx(1.0 / 57344.0)  # e5m2's max
+    assert np.asarray(fp8.scales(h, margin=1))[0, 2] == pytest.approx(2.0 / 57344.0)
+
+
+def test_refused_where_fp8_gemms_cannot_run_unless_emulated():
+    c = small_config(extra=["model.fp8=delayed"])
+    with pytest.raises(config.ConfigError) as e:
+        Plan.resolve(c, devices_for(c))
+    assert e.value.field == "model.fp8" and "fp8_emulate=true" in str(e.value)
+    assert "cpu" in str(e.value)
+    with pytest.raises(config.ConfigError, match="older GPUs"):
+        Plan.resolve(config.override(c, mesh=dict(data=8)), topology="dgx_a100_128")
+    on_h100 = Plan.resolve(config.override(c, mesh=dict(data=8)), topology="h100x8")
+    assert on_h100.peak_dtype == "float8" and "fp8:" in on_h100.describe()
+    emulated = Plan.resolve(cfg(), devices_for(cfg()))
+    assert emulated.peak_dtype == "float32" and "emulated" in emulated.describe()
+
+
+# ----------------------------------------------------------------------------------- layouts
+def _host_state(c, steps, keep=None):
+    """(per-step losses, host copy of the state after `keep` (default: all) of `steps`
+    steps) of `c`."""
+    job, state, losses, kept = job_for(c), start_state(c), [], None
+    for s in range(steps):
+        state, metrics = job.step_fn(state, job.global_batch(s))
+        losses.append(float(metrics["loss"]))
+        if s + 1 == (keep or steps):  # a copy: the next step donates the state's buffers
+            kept = jax.tree.map(np.array, jax.device_get(state))
+    return np.array(losses), kept
+
+
+def _place(c, host_state):
+    job = job_for(c)
+    if job.plan.canonical_layers:
+        return jax.device_put(host_state, job.shardings)
+    return job.reorder(jax.device_put(host_state, job.canonical[1]), to_canonical=False)
+
+
+def _grads_at(c, host_state, step=WARM):
+    """(loss, {key: gradient}, {key of a probe: the amaxes it stands for}) at `host_state`'s
+    parameters on step `step`'s batch."""
+    job = job_for(c)
+    loss, grads = _grad_fn(c)(_place(c, host_state).params, job.global_batch(step))
+    grads = {k: np.asarray(v) for k, v in flat(reorder(grads, job.plan, to_canonical=True)).items()}
+    amaxes = {k: np.asarray(fp8.amax_of(v)) for k, v in grads.items() if k.endswith("fp8/probe")}
+    return float(loss), grads, amaxes
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, warm = _host_state(cfg(), 5, keep=WARM)
+    return losses, warm, _grads_at(cfg(), warm)
+
+
+@pytest.mark.parametrize("name", by_layout(LAYOUTS))
+def test_layouts_give_one_devices_fp8_numbers(reference, name):
+    ref_losses, warm, (ref_loss, ref_grads, ref_amax) = reference
+    c = cfg(**LAYOUTS[name])
+    losses, _ = _host_state(c, 5)
+    assert job_for(c).mesh.size == 8 and ref_losses[-1] < ref_losses[0] - 0.5
+    assert max_rel_diff(losses, ref_losses) < 1e-3, (losses, ref_losses)
+
+    h = warm.params["blocks"]["attn"]["fp8"]["history"]
+    assert np.all(h[..., :WARM] > 0) and not np.any(h[..., WARM:])  # the histories fill up
+    loss, grads, amax = _grads_at(c, warm)
+    assert abs(loss - ref_loss) / ref_loss < 1e-5
+    assert grads.keys() == ref_grads.keys() and amax.keys() == ref_amax.keys() and amax
+    for k, a in amax.items():
+        assert np.all(ref_amax[k] > 0) and np.array_equal(a, ref_amax[k]), k
+    for k, g in grads.items():
+        if "fp8/" not in k:
+            r = ref_grads[k]
+            assert np.linalg.norm(g - r) <= 3e-3 * np.linalg.norm(r), (k, np.linalg.norm(g - r))
+
+    fresh = jax.device_get(start_state(cfg()))
+    ref_loss, ref_grads, _ = _grads_at(cfg(), fresh, step=0)
+    loss, grads, _ = _grads_at(c, fresh, step=0)
+    assert abs(loss - ref_loss) / ref_loss < 1e-5
+    for k, g in grads.items():
+        if "fp8/" not in k:
+            assert np.max(np.abs(g - ref_grads[k])) <= 1e-5 * np.max(np.abs(ref_grads[k])), k
+
+
+@pytest.mark.xdist_group("dp2_pp2_tp2_1f1b")
+def test_amaxes_combine_by_max_over_a_pipelines_microbatches(reference):
+    """1F1B over 4 microbatches on data 2: each amax the step learns (each layer's, each
+    projection's, each tensor's) is the largest of the amaxes one device sees on each
+    microbatch alone, not their sum nor the last one."""
+    _, warm, _ = reference
+    c = cfg(**LAYOUTS["dp2_pp2_tp2_1f1b"])
+    _, _, piped = _grads_at(c, warm)
+    m = c.train.microbatches
+    one = cfg(extra=[f"train.global_batch={c.train.global_batch // m}"])
+    tokens = np.asarray(job_for(c).global_batch(WARM))
+    each = {k: [] for k in piped}
+    for mb in np.asarray(microbatches(tokens, m)):
+        job = job_for(one)
+        batch = jax.device_put(mb, job.batch_sharding)
+        _, grads = _grad_fn(one)(_place(one, warm).params, batch)
+        for k in piped:
+            each[k].append(np.asarray(fp8.amax_of(flat(grads)[k])))
+    for k, a in piped.items():
+        stacked = np.stack(each[k])
+        assert np.any(stacked != stacked[-1]), k  # the microbatches differ: max is not moot
+        assert np.array_equal(a, stacked.max(axis=0)), k
+
+
+# -------------------------------------------------------------------------------- kill -9
+def test_scale_state_survives_kill9_and_resumes_exactly(tmp_path):
+    """A run killed between checkpoints and started again takes up the amax histories where
+    its checkpoint left them: every step's loss and the final histories equal an
+    uninterrupted run's."""
+    steps = ["train.steps=8", "optim.decay_steps=8"]
+    ref_losses, ref_state = _host_state(cfg(steps), 8)
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "spmd3d.train", *SMALL, *FP8, *steps, "checkpoint.every=3",
+            "mesh.simulated_devices=1", "mesh.data=1", "mesh.tensor=1", f"run.dir={run}"]
+
+    def start(name):
+        log = open(tmp_path / f"{name}.log", "w")
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True), log.name
+
+    def logged():  # {step: loss}, the last record of each (a resumed run logs some again)
+        out = {}
+        for line in ((run / "metrics.jsonl").read_text().splitlines()
+                     if (run / "metrics.jsonl").exists() else []):
+            try:
+                r = json.loads(line)
+            except ValueError:  # the line a running process is writing
+                continue
+            if "loss" in r:
+                out[r["step"]] = r["loss"]
+        return out
+
+    proc, log = start("killed")
+    ckpts = run / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not ((ckpts / "3").is_dir() and max(logged() or [0]) >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline, open(log).read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (ckpts / "6").exists()
+    proc, log = start("resumed")
+    assert proc.wait(timeout=300) == 0, open(log).read()
+    assert "resumed at step 3" in open(log).read()
+    losses = logged()
+    assert sorted(losses) == list(range(1, 9))
+    assert max_rel_diff([losses[s] for s in range(1, 9)], ref_losses) < 1e-6
+    params, _ = load(run, 8)
+    for module in ("attn", "mlp"):
+        got = np.asarray(params["blocks"][module]["fp8"]["history"])
+        want = np.asarray(ref_state.params["blocks"][module]["fp8"]["history"][...])
+        assert np.any(want[..., :8]) and np.array_equal(got, want), module
+
+
+# ------------------------------------------------------------------------- Hugging Face
+def test_hf_import_starts_the_scale_state_empty_and_export_leaves_it_out(tmp_path):
+    """Published weights fine-tuned in FP8: the import makes the histories (zero: no amax
+    seen yet), and the export hands transformers exactly its own tensors back."""
+    from test_convert import assert_reloaded_equal, hf_llama, run_config, TOKENS
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from spmd3d import checkpoint, convert
+
+    model = hf_llama(False)
+    model.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        ref = model(torch.tensor(TOKENS)).logits.numpy()
+    c = config.override(run_config(tmp_path / "hf"), model=dict(fp8="delayed", fp8_emulate=True))
+    convert.import_hf(tmp_path / "hf", tmp_path / "run", c, jax.devices()[:1])
+    arrays, _ = checkpoint.read(tmp_path / "run", lambda k: "fp8/" in k)
+    assert sorted(arrays) == [f"params/blocks/{m}/fp8/{leaf}" for m in ("attn", "mlp")
+                              for leaf in ("history", "probe")]
+    assert all(a.shape[:3] == (2, 2, 3) and not np.any(a) for a in arrays.values())
+    convert.export_hf(tmp_path / "run", tmp_path / "out")
+    assert_reloaded_equal(model, LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval(),
+                          ref)
