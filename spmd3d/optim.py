@@ -49,11 +49,15 @@ def decay_mask(params):
 
 
 def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float, eps: float,
-                          moment_dtype: str | None = None) -> optax.GradientTransformation:
+                          moment_dtype: str | None = None) -> optax.GradientTransformationExtraArgs:
     """`optax.clip_by_global_norm(clip_norm)` (none when 0) then `optax.scale_by_adam`, as one
     transform with Adam's state: each parameter's clipped gradient, moments and update are one
     elementwise expression (a fused loop), the clip factor a scalar inside it. The moments are
-    kept in `moment_dtype` (None: the parameters'), the update computed in fp32 from them."""
+    kept in `moment_dtype` (None: the parameters'), the update computed in fp32 from them.
+
+    `update(..., grad_scale=s)` takes the gradients as `grads * s`: the step hands over the
+    summed gradients and 1 / the label count, so that no divided copy of them is made (XLA
+    kept one, read by the norm and the moments: +180 MB for 6 layers of d_model 1024)."""
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
 
     def init(params):
@@ -63,12 +67,12 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float, eps: float,
         cast = lambda tree: jax.tree.map(lambda a: a.astype(moment_dtype), tree)  # noqa: E731
         return state._replace(mu=cast(state.mu), nu=cast(state.nu))
 
-    def update(grads, state, params=None):
+    def update(grads, state, params=None, grad_scale=1.0):
         del params
-        scale = 1.0
+        scale = grad_scale
         if clip_norm > 0:  # optax's rule: unchanged below the threshold
-            norm = optax.tree.norm(grads)
-            scale = jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
+            norm = optax.tree.norm(grads) * grad_scale
+            scale = scale * jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
         count = optax.safe_increment(state.count)
         fix1, fix2 = 1 - b1 ** count, 1 - b2 ** count  # bias corrections
 
@@ -88,7 +92,7 @@ def scale_by_clipped_adam(clip_norm: float, b1: float, b2: float, eps: float,
                                            jax.tree.structure((0, 0, 0)), out)
         return steps, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def make_optimizer(cfg: OptimConfig, params=None) -> optax.GradientTransformation:

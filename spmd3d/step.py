@@ -261,9 +261,11 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     return model.loss(x, labels, par.loss_chunk)
 
 
-def make_grad_fn(plan: Plan, graphdef):
+def make_grad_fn(plan: Plan, graphdef, mean: bool = True):
     """`(params, tokens[B, T+1]) -> (mean loss, grads)`, accumulating over `plan.accum_steps`
-    microbatches (with a pipeline, the pipeline takes the microbatches).
+    microbatches (with a pipeline, the pipeline takes the microbatches). With `mean=False`,
+    `-> (mean loss, grads / s, s)`: the gradients before a division by a count known when
+    compiling (s = 1 / count; else s = 1), which the train step leaves to the optimizer.
 
     The loss is the mean over every label trained on of the global batch whatever the
     microbatching, and gradients leave in the gradient rules' layout (ZeRO-2/3: sharded over
@@ -297,7 +299,9 @@ def make_grad_fn(plan: Plan, graphdef):
                 carry = (constrain_grads(zeros), jnp.zeros((), jnp.float32))
                 (g, total), _ = jax.lax.scan(accumulate, carry, microbatches(tokens, m))
         if not known:
-            return total, g
+            return (total, g) if mean else (total, g, 1.0)
+        if not mean:
+            return total / count, g, 1.0 / count
         return total / count, jax.tree.map(lambda x: x / count, g)
 
     return grads_and_loss
@@ -340,17 +344,19 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
     cfg, rules, mesh = plan.cfg, plan.rules, plan.mesh
     tx = make_optimizer(cfg.optim, shardings.params)
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
-    grads_and_loss = make_grad_fn(plan, graphdef)
+    grads_and_loss = make_grad_fn(plan, graphdef, mean=False)
 
     def train_step(state: TrainState, tokens):
-        loss, observed = grads_and_loss(state.params, tokens)
+        # the gradients of the summed loss and 1 / the count: the optimizer divides inside its
+        # own fused update (a divided copy of every gradient would be one more buffer)
+        loss, observed, grad_scale = grads_and_loss(state.params, tokens)
         # the untrained state's gradients are statistics: the router's, FP8's amaxes
-        stats = moe.stats_of(observed) if cfg.model.is_moe else None
+        stats = moe.stats_of(observed) * grad_scale if cfg.model.is_moe else None
         grads = untrained_zeroed(observed)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(grads) * grad_scale
         # ZeRO-1+: each data shard updates only its slice of the moments and the weights
         grads = jax.lax.with_sharding_constraint(grads, shardings_for(grads, rules.opt, mesh))
-        updates, opt = tx.update(grads, state.opt, state.params)
+        updates, opt = tx.update(grads, state.opt, state.params, grad_scale=grad_scale)
         lr = lr_at(state.step)
         params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
