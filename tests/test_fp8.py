@@ -40,6 +40,10 @@ LAYOUTS = {
     "dp4_tp2_sp": dict(data=4, tensor=2, sp=True),
     "dp2_pp2_tp2_1f1b": dict(data=2, stage=2, tensor=2, micro=4,
                              extra=["parallel.pipeline_schedule=1f1b"]),
+    # ZeRO-3's gathered weights, ring attention over seq, tensor with SP
+    "zero3_dp2_seq2_tp2_sp": dict(data=2, seq=2, tensor=2, zero=3, sp=True),
+    # ZB-H1 takes the weights' gradients, and with them the amaxes, in a pass of their own
+    "zb_dp4_pp2_m4": dict(data=4, stage=2, micro=4, extra=["parallel.pipeline_schedule=zb_h1"]),
 }
 
 
