@@ -153,8 +153,7 @@ def _per_device(kernel, q, k, v, segments):
     mesh = layout.mesh
 
     def spec(*names):
-        return P(*(tuple(a for a in mesh_axes(layout.compute[n]) if mesh.shape[a] > 1) or None
-                   for n in names))
+        return P(*(layout.splitting(n) for n in names))
 
     qs = spec("batch", "length", "kv_heads", "q_per_kv", "head_dim")
     ks, ids = spec("batch", "length", "kv_heads", "head_dim"), spec("batch", "length")

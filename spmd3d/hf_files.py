@@ -67,6 +67,10 @@ class Files:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def shape(self, name: str) -> tuple:
+        """Tensor `name`'s shape, from its file's header (nothing read)."""
+        return tuple(self._where[name][1]["shape"])
+
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise HFError("HF_DIR", f"{self.dir} has no tensor {name!r}")

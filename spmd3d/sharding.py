@@ -250,6 +250,12 @@ class Layout:
     def sharding(self, spec: P):
         return spec if self.mesh is None else NamedSharding(self.mesh, spec)
 
+    def splitting(self, name: str, mesh=None):
+        """The mesh axes that logical `name` takes under the compute rules and that split
+        it (size > 1 on `mesh`, default this layout's), or None: a shard_map's spec entry."""
+        mesh = mesh or self.mesh
+        return tuple(a for a in mesh_axes(self.compute[name]) if mesh.shape[a] > 1) or None
+
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd3d_layout", default=None)
 

@@ -52,8 +52,7 @@ def token_shards(layout):
     """(mesh, manual axes, row spec, length spec): the batch and length axes of the current
     layout that split anything (size > 1), for a shard_map manual over them."""
     mesh = layout.mesh or jax.sharding.get_abstract_mesh()
-    specs = [tuple(a for a in mesh_axes(layout.compute[n]) if mesh.shape[a] > 1) or None
-             for n in ("batch", "length")]
+    specs = [layout.splitting(n, mesh) for n in ("batch", "length")]
     return mesh, tuple(a for spec in specs for a in mesh_axes(spec)), *specs
 
 

@@ -82,7 +82,7 @@ def _place(reader, w, model, aval):
         want = shape[1:] if w.stacked else shape
         if isinstance(out, Exception) or out.shape != tuple(want):
             names = w.hf_names(layer)
-            got = [tuple(reader[n].shape) for n in names if n in reader]
+            got = [reader.shape(n) for n in names if n in reader]
             raise HFError("HF_DIR", f"{', '.join(names)} of shape {got} does not fit "
                                     f"config.json's model ({w.key} should be {tuple(want)})")
         return out

@@ -43,10 +43,11 @@ def _platform(mesh, topology: Topology) -> tuple[str, bool, bool]:
 
 
 def _with_kernels(cfg: Config, mesh, topology: Topology,
-                  documents: bool) -> tuple[Config, str, tuple]:
+                  documents: bool) -> tuple[Config, tuple, tuple]:
     """(cfg with `model.dtype` auto resolved: bf16 compute on a GPU, fp32 elsewhere, and
-    `model.expert_kernel`; the attention kind, for packed `documents` or not; the experts'
-    kernel and its warning, or () for a dense model) on the mesh's devices."""
+    `model.expert_kernel`; the attention kind, for packed `documents` or not, and why
+    documents fell back from pallas to cuDNN's dense mask (or ""); the experts' kernel and
+    its warning, or () for a dense model) on the mesh's devices."""
     platform, hopper, devices = _platform(mesh, topology)
     m, experts = cfg.model, ()
     if m.dtype == "auto":
@@ -67,10 +68,10 @@ def _with_kernels(cfg: Config, mesh, topology: Topology,
     branched = cfg.mesh.stage > 1 and Schedule(cfg.mesh.stage, cfg.train.microbatches,
                                                par.pipeline_repeats,
                                                par.pipeline_schedule).mode == "switch"
-    return cfg, choose(m.attention, platform=platform, dtype=m.dtype, head_dim=m.dim_per_head,
-                       seq=cfg.mesh.seq, hopper=hopper, branched=branched,
-                       seq_len=cfg.train.seq_len, stage=cfg.mesh.stage,
-                       documents=documents), experts
+    shape = dict(platform=platform, dtype=m.dtype, head_dim=m.dim_per_head, seq=cfg.mesh.seq,
+                 hopper=hopper, seq_len=cfg.train.seq_len, stage=cfg.mesh.stage)
+    kind = choose(m.attention, branched=branched, documents=documents, **shape)
+    return cfg, (kind, fallback(**shape) if documents and kind == "cudnn" else ""), experts
 
 
 def _document_eot(cfg: Config) -> int | None:
@@ -107,6 +108,7 @@ class Plan:
     layer_order: tuple  # storage position -> canonical layer index (-1: a padding slot)
     seq_order: tuple | None  # global position at each place of the token layout (zig-zag)
     attention: str  # an `attention.KINDS` name
+    attention_fallback: str = ""  # why packed documents went to cuDNN's mask, not pallas
     experts: tuple = ()  # MoE: (the experts' kernel, `grouped.KERNELS` or capacity; a warning)
     eot: int | None = None  # packed documents end at this token (`data.document_mask`), or None
 
@@ -141,7 +143,8 @@ class Plan:
     def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
         """The decisions for a resolved config on a given mesh."""
         eot = _document_eot(cfg)
-        cfg, attention, experts = _with_kernels(cfg, mesh, topology, eot is not None)
+        cfg, (attention, attention_fallback), experts = _with_kernels(cfg, mesh, topology,
+                                                                      eot is not None)
         m, par, tr = cfg.mesh, cfg.parallel, cfg.train
         schedule = (Schedule(m.stage, tr.microbatches, par.pipeline_repeats, par.pipeline_schedule)
                     if m.stage > 1 else None)
@@ -160,6 +163,7 @@ class Plan:
             layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
             seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
             attention=attention,
+            attention_fallback=attention_fallback,
             experts=experts,
             eot=eot,
         )
@@ -243,9 +247,7 @@ class Plan:
                    if kernel == "capacity" else "dropless")
             lines.append(f"experts: {kernel} ({how}){'; ' + warning if warning else ''}")
         if self.eot is not None:
-            m = self.cfg.model
-            why = fallback(platform="gpu", dtype=m.dtype, head_dim=m.dim_per_head, seq=1,
-                           seq_len=self.cfg.train.seq_len, stage=self.cfg.mesh.stage)
+            why = self.attention_fallback
             dense = (", given to cuDNN as a dense T x T mask (its jax call takes no document "
                      f"ids){'; warning: pallas ' + why if why else ''}"
                      if self.attention == "cudnn" else "")
