@@ -347,16 +347,18 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
     grads_and_loss = make_grad_fn(plan, graphdef, mean=False)
 
     def train_step(state: TrainState, tokens):
-        # the gradients of the summed loss and 1 / the count: the optimizer divides inside its
-        # own fused update (a divided copy of every gradient would be one more buffer)
+        # the gradients of the summed loss and 1 / the count: the norm is taken before the
+        # division, which then has no reader but the optimizer's fused update (read by the norm
+        # as well, the divided gradients were a buffer of their own)
         loss, observed, grad_scale = grads_and_loss(state.params, tokens)
         # the untrained state's gradients are statistics: the router's, FP8's amaxes
         stats = moe.stats_of(observed) * grad_scale if cfg.model.is_moe else None
         grads = untrained_zeroed(observed)
         grad_norm = optax.tree.norm(grads) * grad_scale
+        grads = jax.tree.map(lambda g: g * grad_scale, grads)
         # ZeRO-1+: each data shard updates only its slice of the moments and the weights
         grads = jax.lax.with_sharding_constraint(grads, shardings_for(grads, rules.opt, mesh))
-        updates, opt = tx.update(grads, state.opt, state.params, grad_scale=grad_scale)
+        updates, opt = tx.update(grads, state.opt, state.params, grad_norm=grad_norm)
         lr = lr_at(state.step)
         params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
