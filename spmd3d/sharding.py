@@ -246,6 +246,7 @@ class Layout:
     compute: Rules  # activations, and parameters where they are used
     grads: Rules  # parameter cotangents
     mesh: object  # a Mesh, or None for the context mesh (inside a shard_map)
+    params: Rules | None = None  # parameters as stored, where they are cast (None: anywhere)
 
     def sharding(self, spec: P):
         return spec if self.mesh is None else NamedSharding(self.mesh, spec)
@@ -261,11 +262,13 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("spmd3d_layout", defaul
 
 
 @contextmanager
-def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None):
+def activation_rules(rules: Rules | None, mesh=None, grads: Rules | None = None,
+                     params: Rules | None = None):
     """While tracing inside this block, `constrain` and `use_param` lay arrays out by `rules`
-    (gradients by `grads`, default `rules`) on `mesh`. Without it both are no-ops, so the
-    model also runs unsharded (one device, a notebook)."""
-    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh))
+    (gradients by `grads`, default `rules`; parameters cast to the compute dtype where
+    `params` stores them) on `mesh`. Without it both are no-ops, so the model also runs
+    unsharded (one device, a notebook)."""
+    token = _ACTIVE.set(None if rules is None else Layout(rules, grads or rules, mesh, params))
     try:
         yield
     finally:
@@ -284,12 +287,16 @@ def constrain(x, names):
     return jax.lax.with_sharding_constraint(x, layout.sharding(layout.compute.spec(names)))
 
 
-def _relayout(dtype, fwd, bwd):
-    """Identity up to a cast, laid out `fwd`; its cotangent is cast back and laid out `bwd`."""
+def _relayout(dtype, fwd, bwd, stored=None):
+    """Identity up to a cast, laid out `fwd`; its cotangent is cast back and laid out `bwd`.
+    With `stored`, the cast happens in that layout, before any gather to `fwd`."""
 
     @jax.custom_vjp
     def relayout(x):
-        return jax.lax.with_sharding_constraint(x.astype(dtype), fwd)
+        y = x.astype(dtype)
+        if stored is not None:
+            y = jax.lax.with_sharding_constraint(y, stored)
+        return jax.lax.with_sharding_constraint(y, fwd)
 
     def relayout_fwd(x):
         return relayout(x), jnp.zeros((), x.dtype)
@@ -313,7 +320,10 @@ def use_param(value, names, dtype):
     names = tuple(names)[len(names) - value.ndim:]
     fwd = layout.sharding(layout.compute.spec(names))
     bwd = layout.sharding(layout.grads.spec(names))
-    return _relayout(dtype, fwd, bwd)(value)
+    # cast where stored, then gathered: left to sharding propagation, the cast followed the
+    # gather and ZeRO-3 gathered fp32 weights, twice the bytes of the compute dtype's
+    stored = None if layout.params is None else layout.sharding(layout.params.spec(names))
+    return _relayout(dtype, fwd, bwd, stored if stored != fwd else None)(value)
 
 
 _LAYOUT_PRIMITIVES = frozenset({"convert_element_type", "sharding_constraint"})

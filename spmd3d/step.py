@@ -285,7 +285,7 @@ def make_grad_fn(plan: Plan, graphdef, mean: bool = True):
         count = label_count(plan, tokens)
         known = isinstance(count, int)
         scale = 1.0 if known else 1.0 / count.astype(jnp.float32)
-        with activation_rules(rules.compute, mesh, rules.grads):
+        with activation_rules(rules.compute, mesh, rules.grads, rules.params):
             if m == 1:
                 total, g = value_and_grad(params, tokens, scale)
                 g = constrain_grads(g)
@@ -313,7 +313,7 @@ def make_eval_step(plan: Plan, graphdef, shardings: TrainState):
     rules, m = plan.rules, plan.accum_steps
 
     def eval_step(params, tokens):
-        with activation_rules(rules.compute, plan.mesh, rules.grads):
+        with activation_rules(rules.compute, plan.mesh, rules.grads, rules.params):
             def one(total, tokens_mb):
                 tokens_mb = constrain(tokens_mb, ("batch", None))
                 return total + loss_sum(plan, graphdef, params, tokens_mb)[0], None

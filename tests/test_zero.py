@@ -108,6 +108,23 @@ def test_zero3_gathers_weights_layer_by_layer(compiled):
     assert sorted(per_loop.values()) == [4, 4], per_loop
 
 
+def test_zero3_gathers_weights_in_the_compute_dtype(compiled):
+    """ZeRO-3 casts each layer's weights to the compute dtype where they are stored and then
+    gathers them: half the bytes of gathering the fp32 weights (left to sharding propagation,
+    the cast followed the gather). Shown with float16 compute: XLA:CPU widens bf16 collectives
+    to fp32 after partitioning (a GPU's NCCL takes bf16), but keeps float16 ones."""
+    def layer_gather_bytes(job):
+        colls = hlo.collectives(job.compile()[0].as_text(), job.mesh.shape)
+        return sum(c.bytes * c.trips for c in colls
+                   if c.kind == "all-gather" and c.trips == job.cfg.model.num_layers)
+
+    fp32 = compiled[3][0]
+    cfg = small_config(data=DATA, zero=3, extra=["model.dtype=float16"])
+    fp16 = runtime.setup(cfg, devices_for(cfg))
+    assert layer_gather_bytes(fp32) > 0
+    assert 2 * layer_gather_bytes(fp16) == layer_gather_bytes(fp32)
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_initialized_state_lives_where_the_rules_say(zero):
     """Walk the initialized state: every leaf's sharding is the one its logical names give."""

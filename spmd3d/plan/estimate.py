@@ -228,9 +228,10 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     else:
         add("embedding gradient", "reduce", rows_split + ("seq",), embed, times)
 
-    # parameters (fp32) gathered over data: ZeRO-1/2 once, after the update; ZeRO-3 the
-    # layers before each use (forward, backward; a recompute reuses the backward's) and the
-    # embedding and head once, or with a pipeline the stage's layers once per step
+    # parameters gathered over data: ZeRO-1/2 once, after the update, as stored; ZeRO-3 the
+    # layers before each use (forward, backward; a recompute reuses the backward's), cast to
+    # the compute dtype first (`sharding.use_param`), and the embedding (as stored) and head
+    # once; with a pipeline the stage's layers as stored, once per step (or per tick)
     state = state_bytes(plan)
     if rules.opt["embed"] is not None and rules.params["embed"] is None:
         held = size(experts, rules.params) * pb  # the experts': over their replicas only
@@ -239,12 +240,14 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     if rules.params["embed"] is not None:
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
-        dense = [k for k in blocks if k not in experts]
-        add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * pb, uses)
-        add("experts gathered (ZeRO-3)", "gather", ("data",), size(experts, rules.compute) * pb,
+        g = pb if s is not None else c
+        dense = [k for k in blocks if k not in experts and not k.endswith(UNTRAINED)]
+        add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * g, uses)
+        add("experts gathered (ZeRO-3)", "gather", ("data",), size(experts, rules.compute) * g,
             uses)
         add("embedding and head gathered (ZeRO-3)", "gather", batch,
-            size(["embed", "head", "final_norm/scale"], rules.compute) * pb)
+            size(["embed", "final_norm/scale"], rules.compute) * pb
+            + size(["head"], rules.compute) * g)
     return items
 
 
