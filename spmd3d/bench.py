@@ -202,7 +202,7 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
         "scan_layers": cfg.parallel.scan_layers,
         "microbatches": cfg.train.microbatches,
         "tokens_per_step": job.plan.tokens_per_step,
-        "params": sum(math.prod(x.shape) for x in jax.tree.leaves(job.abstract.params)),
+        "params": trained_params(job.abstract.params),
         "compile_s": compile_s,
         "steps": steps,
         "step_time_median_s": median,
@@ -218,6 +218,19 @@ def run_bench(cfg: Config, steps: int = 10, warmup: int = 2, name: str = "defaul
                         for (k, a), n in sorted(colls.items())],
         **({"profile": profiled} if profiled else {}),
     }
+
+
+def trained_params(params) -> int:
+    """Parameters the optimizer trains: not the `Untrained` state (an MoE router's bias and
+    statistics probe, FP8's amax histories and probes)."""
+    import jax
+    from flax import nnx
+
+    from .sharding import Untrained
+
+    return sum(math.prod(v.shape) for v in
+               jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+               if not isinstance(v, Untrained))
 
 
 def format_report(r: dict) -> str:
