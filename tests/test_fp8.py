@@ -195,19 +195,19 @@ def test_amaxes_combine_by_max_over_a_pipelines_microbatches(reference):
 # -------------------------------------------------------------------------------- kill -9
 def test_scale_state_survives_kill9_and_resumes_exactly(tmp_path):
     """A run killed between checkpoints and started again takes up the amax histories where
-    its checkpoint left them: every step's loss and the final histories equal an
-    uninterrupted run's."""
+    its checkpoint left them: every step's loss and the final histories equal those of the
+    same command run uninterrupted (in a process of its own too: FP8 carries a program's
+    float32 reordering into the losses, so a reference compiled in another setting, this
+    test's 8-device process, is not the same run)."""
     steps = ["train.steps=8", "optim.decay_steps=8"]
-    ref_losses, ref_state = _host_state(cfg(steps), 8)
-    run = tmp_path / "run"
-    argv = [sys.executable, "-m", "spmd3d.train", *SMALL, *FP8, *steps, "checkpoint.every=3",
-            "mesh.simulated_devices=1", "mesh.data=1", "mesh.tensor=1", f"run.dir={run}"]
 
-    def start(name):
+    def start(run, name):
+        argv = [sys.executable, "-m", "spmd3d.train", *SMALL, *FP8, *steps, "checkpoint.every=3",
+                "mesh.simulated_devices=1", "mesh.data=1", "mesh.tensor=1", f"run.dir={run}"]
         log = open(tmp_path / f"{name}.log", "w")
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True), log.name
 
-    def logged():  # {step: loss}, the last record of each (a resumed run logs some again)
+    def logged(run):  # {step: loss}, the last record of each (a resumed run logs some again)
         out = {}
         for line in ((run / "metrics.jsonl").read_text().splitlines()
                      if (run / "metrics.jsonl").exists() else []):
@@ -219,26 +219,29 @@ def test_scale_state_survives_kill9_and_resumes_exactly(tmp_path):
                 out[r["step"]] = r["loss"]
         return out
 
-    proc, log = start("killed")
+    ref, run = tmp_path / "uninterrupted", tmp_path / "run"
+    proc, log = start(ref, "uninterrupted")
+    assert proc.wait(timeout=300) == 0, open(log).read()
+    proc, log = start(run, "killed")
     ckpts = run / "checkpoints"
     deadline = time.monotonic() + 300
-    while not ((ckpts / "3").is_dir() and max(logged() or [0]) >= 4):
+    while not ((ckpts / "3").is_dir() and max(logged(run) or [0]) >= 4):
         assert proc.poll() is None and time.monotonic() < deadline, open(log).read()
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert not (ckpts / "6").exists()
-    proc, log = start("resumed")
+    proc, log = start(run, "resumed")
     assert proc.wait(timeout=300) == 0, open(log).read()
     assert "resumed at step 3" in open(log).read()
-    losses = logged()
-    assert sorted(losses) == list(range(1, 9))
-    assert max_rel_diff([losses[s] for s in range(1, 9)], ref_losses) < 1e-6
-    params, _ = load(run, 8)
+    losses, ref_losses = logged(run), logged(ref)
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, 9))
+    assert [losses[s] for s in range(1, 9)] == [ref_losses[s] for s in range(1, 9)]
+    got, want = load(run, 8)[0], load(ref, 8)[0]
     for module in ("attn", "mlp"):
-        got = np.asarray(params["blocks"][module]["fp8"]["history"])
-        want = np.asarray(ref_state.params["blocks"][module]["fp8"]["history"][...])
-        assert np.any(want[..., :8]) and np.array_equal(got, want), module
+        h = np.asarray(want["blocks"][module]["fp8"]["history"])
+        assert np.any(h[..., :8]) and np.array_equal(
+            np.asarray(got["blocks"][module]["fp8"]["history"]), h), module
 
 
 # ------------------------------------------------------------------------- Hugging Face
