@@ -336,11 +336,13 @@ def make_logits_fn(plan: Plan, graphdef, param_shardings):
                    out_shardings=plan.sharding(("batch", "length", "vocab")))
 
 
-def make_train_step(plan: Plan, graphdef, shardings: TrainState):
+def make_train_step(plan: Plan, graphdef, shardings: TrainState, with_grads: bool = False):
     """The pure train step, jitted with explicit in/out shardings and the state donated.
 
     The learning rate is a function of the step count held in the state, applied here: the
-    optimizer's own state is then only Adam's (count and moments), whatever the schedule."""
+    optimizer's own state is then only Adam's (count and moments), whatever the schedule.
+    With `with_grads`, the metrics also hold the mean loss's gradients (the untrained state's:
+    its statistics), so that a layout's losses and gradients come from one compiled step."""
     cfg, rules, mesh = plan.cfg, plan.rules, plan.mesh
     tx = make_optimizer(cfg.optim, shardings.params)
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
@@ -362,6 +364,8 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState):
         lr = lr_at(state.step)
         params = jax.tree.map(lambda p, u: p - (lr * u).astype(p.dtype), state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if with_grads:
+            metrics["grads"] = jax.tree.map(lambda g: g * grad_scale, observed)
         if stats is not None:  # the router's state: statistics out, the bias by its own rule
             metrics.update(moe.step_metrics(stats, plan.active))
             bias = state.params["blocks"]["mlp"]["bias"]

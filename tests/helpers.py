@@ -16,7 +16,7 @@ import pytest
 
 from spmd3d import config
 from spmd3d.runtime import setup
-from spmd3d.step import make_grad_fn, reorder
+from spmd3d.step import make_grad_fn, make_train_step, reorder
 from spmd3d.store import flat
 
 # 16 query heads in 8 kv groups (GQA) so that tensor = 8 still splits whole groups.
@@ -81,6 +81,24 @@ def train_losses(cfg, steps=None):
     return np.array(losses), job, state
 
 
+@functools.cache
+def run_with_grads(cfg):
+    """(per-step losses, (loss, gradients) at step 0) of `cfg.train.steps` train steps from the
+    fresh state, all from one compiled step that also returns its gradients
+    (`make_train_step(with_grads=True)`): a layout whose losses and gradients are both compared
+    compiles once, not a step and a gradient function."""
+    job = job_for(cfg)
+    step = make_train_step(job.plan, job.graphdef, job.shardings, with_grads=True)
+    state, losses, first = start_state(cfg), [], None
+    for s in range(cfg.train.steps):
+        state, metrics = step(state, job.global_batch(s))
+        losses.append(float(metrics["loss"]))
+        if first is None:
+            grads = reorder(metrics["grads"], job.plan, to_canonical=True)
+            first = (losses[0], {k: np.asarray(v) for k, v in flat(grads).items()})
+    return np.array(losses), first
+
+
 def first_grads(cfg):
     """(loss, {param path: gradient as numpy}) at the initial parameters on step 0's batch."""
     job = job_for(cfg)
@@ -111,15 +129,17 @@ def reference_run(cfg):
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
-            out = jax.tree.map(np.asarray, (train_losses(cfg)[0], first_grads(cfg)))
+            out = run_with_grads(cfg)
             path.write_bytes(pickle.dumps(out))
     return pickle.loads(path.read_bytes())
 
 
-def assert_losses_match(cfg, ref_losses):
-    """`cfg` on all 8 devices gives the reference losses at every step (relative < 1e-4)."""
-    losses, job, _ = train_losses(cfg)
-    assert job.mesh.size == 8
+def assert_losses_match(cfg, ref_losses, grads_too=False):
+    """`cfg` on all 8 devices gives the reference losses at every step (relative < 1e-4).
+    `grads_too`: its gradients are compared as well (`assert_grads_match`), from the same
+    compiled step."""
+    assert job_for(cfg).mesh.size == 8
+    losses = run_with_grads(cfg)[0] if grads_too else train_losses(cfg)[0]
     assert max_rel_diff(losses, ref_losses) < 1e-4, (losses, ref_losses)
 
 
@@ -127,7 +147,7 @@ def assert_grads_match(cfg, reference_grads, untrained=()):
     """Loss (relative 1e-5) and every gradient leaf (1e-5 of its largest value) at step 0;
     the `untrained` leaves' (an MoE router's bias) are zero in both."""
     ref_loss, ref_grads = reference_grads
-    loss, grads = first_grads(cfg)
+    loss, grads = run_with_grads(cfg)[1]
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert grads.keys() == ref_grads.keys()
     for k, g in grads.items():
