@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from .hf_files import Files, HFError
-from .schema import FP8_BINS, FP8_ROLES, ModelConfig
+from .schema import ModelConfig
 
 # ------------------------------------------------------------------------------------- config
 FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
@@ -249,12 +249,10 @@ def _NONE(w, cfg):  # ... and nothing on export
 
 
 def _fp8_weights(cfg: ModelConfig) -> tuple:
-    """FP8's scaling state (`fp8.Fp8Meta`: amax histories and probes of the two projections
-    of attention and of a dense MLP), ours alone: zeros on import (no history), not
-    exported."""
-    return tuple(Weight(f"blocks/{module}/fp8/{leaf}", (), _zeros((2, FP8_ROLES, n)), _NONE)
-                 for module in ("attn",) + (() if cfg.is_moe else ("mlp",))
-                 for leaf, n in (("history", cfg.fp8_history), ("probe", FP8_BINS)))
+    """FP8's scaling state (`ModelConfig.fp8_state`), ours alone: zeros on import (no
+    history), not exported."""
+    return tuple(Weight(f"blocks/{key}", (), _zeros(shape), _NONE)
+                 for key, shape in cfg.fp8_state.items())
 
 
 def weights(cfg: ModelConfig) -> tuple:
@@ -264,7 +262,7 @@ def weights(cfg: ModelConfig) -> tuple:
         out += [Weight(f"blocks/attn/{n}", (_LAYER + f"self_attn.{n}.weight",), _SAME, _SAME_OUT)
                 for n in ("q_norm", "k_norm")]
     return (tuple(out) + (_moe_weights(cfg) if cfg.is_moe else ())
-            + (_fp8_weights(cfg) if cfg.fp8 != "off" else ()))
+            + _fp8_weights(cfg))
 
 
 # -------------------------------------------------------------------------- safetensors files

@@ -18,6 +18,7 @@ ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
 EXPERT_KERNELS = ("auto", "ragged", "tokamax")  # the experts' grouped matmul (grouped.py)
 FP8_RECIPES = ("off", "delayed")  # FP8 projections and their scaling (fp8.py)
 FP8_ROLES, FP8_BINS = 3, 1024  # its state's sizes: input, weight, gradient; histogram bins
+FP8_PROJECTIONS = 2  # per module that has FP8 state: qkv and o, gate_up and down (model.py)
 
 
 def compute_dtype(dtype: str, platform: str) -> str:
@@ -155,6 +156,18 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def fp8_state(self) -> dict:
+        """FP8's scaling state in one layer (`fp8.Fp8Meta`), {key under `blocks/`: shape}:
+        the amax histories and probes of attention's projections and of the dense MLP's (an
+        MoE layer's: its shared experts', if any); empty without `model.fp8`."""
+        if self.fp8 == "off":
+            return {}
+        mlp = ("mlp/shared",) if self.shared_experts else ()
+        return {f"{module}/fp8/{leaf}": (FP8_PROJECTIONS, FP8_ROLES, n)
+                for module in ("attn",) + (mlp if self.is_moe else ("mlp",))
+                for leaf, n in (("history", self.fp8_history), ("probe", FP8_BINS))}
 
     @property
     def layer_params(self) -> int:

@@ -224,6 +224,8 @@ LATE_CASES = [
     # file with ids up to 1000 is caught by the data loader.
     ("token-ids-exceed-vocab", ["data.path=BIG_IDS", "model.vocab_size=256"], "data.path",
      "vocab_size 256"),
+    # FP8 GEMMs on CPU devices: refused when the plan meets the devices, emulation named
+    ("fp8-off-hopper", ["model.fp8=delayed"], "model.fp8", "model.fp8_emulate=true"),
 ]
 
 

@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..schema import FP8_BINS, FP8_ROLES
 from ..mesh import data_degree
 from . import residuals
 from .quirks import applies
@@ -62,12 +61,7 @@ def param_shapes(m: ModelConfig, layers: int) -> dict:
         if shared:
             stacked.update({"mlp/shared/w_gate_up": ((d, 2, shared), ("embed", "gate_up", "mlp")),
                             "mlp/shared/w_down": ((shared, d), ("mlp", "embed"))})
-    if m.fp8 != "off":  # fp8.Fp8Meta: two projections' amax histories and probes per module
-        modules = ("attn",) + (("mlp/shared",) if m.is_moe and m.shared_experts else
-                               () if m.is_moe else ("mlp",))
-        stacked.update({f"{module}/fp8/{leaf}": ((2, FP8_ROLES, n), ("fp8",) * 3)
-                        for module in modules
-                        for leaf, n in (("history", m.fp8_history), ("probe", FP8_BINS))})
+    stacked.update({key: (shape, ("fp8",) * 3) for key, shape in m.fp8_state.items()})
     out = {"embed": ((v, d), ("vocab", "embed"))}
     out.update({f"blocks/{key}": ((layers, *shape), ("layers", *names))
                 for key, (shape, names) in stacked.items()})
