@@ -154,7 +154,7 @@ class MLP(nnx.Module):
     def __call__(self, x_btd, ops: Ops | None = None):
         h = _project(self, "gate_up", x_btd, ops)
         gate, up = jnp.split(h, 2, axis=2)
-        a = jax.nn.silu(gate[:, :, 0]) * up[:, :, 0]
+        a = moe.swiglu(gate[:, :, 0], up[:, :, 0])
         a = constrain(a, ("batch", "length", "mlp"))
         return _project(self, "down", a, ops)
 
