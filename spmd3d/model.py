@@ -25,6 +25,7 @@ from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .manual import psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
+from .swiglu import swiglu
 from .ops import Ops, apply_block
 from .vocab import embed_lookup, head_logits, loss_chunks, token_shards
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
@@ -154,7 +155,7 @@ class MLP(nnx.Module):
     def __call__(self, x_btd, ops: Ops | None = None):
         h = _project(self, "gate_up", x_btd, ops)
         gate, up = jnp.split(h, 2, axis=2)
-        a = moe.swiglu(gate[:, :, 0], up[:, :, 0])
+        a = swiglu(gate[:, :, 0], up[:, :, 0])
         a = constrain(a, ("batch", "length", "mlp"))
         return _project(self, "down", a, ops)
 

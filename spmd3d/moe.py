@@ -36,34 +36,6 @@ from .mesh import DATA, EXPERT, SEQ
 from .sharding import Untrained, current_layout
 from .vocab import token_shards
 
-
-@jax.custom_vjp
-def swiglu(gate, up):
-    """silu(gate) * up for the dense MLP and the experts alike: computed in fp32 and returned
-    in gate's dtype, and its backward keeps gate and up alone.
-
-    Left to autodiff in bf16, XLA rounds after each of silu's elementwise ops (a convert pair
-    each, 7 roundings where fp32 has 1), and the backward keeps their intermediates; in fp32
-    it would keep fp32 copies. Here the backward recomputes sigmoid(gate) from the two
-    inputs, what a fused SwiGLU kernel keeps (Megatron's `bias_swiglu`)."""
-    return _swiglu(gate, up)
-
-
-def _swiglu(gate, up):
-    f32 = jnp.float32
-    return (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(gate.dtype)
-
-
-def _swiglu_bwd(inputs, g):
-    gate, up = inputs
-    x, u, g = gate.astype(jnp.float32), up.astype(jnp.float32), g.astype(jnp.float32)
-    s = jax.nn.sigmoid(x)
-    d_gate = g * u * s * (1 + x * (1 - s))  # d silu(x) / dx = s (1 + x (1 - s))
-    return d_gate.astype(gate.dtype), (g * x * s).astype(up.dtype)
-
-
-swiglu.defvjp(lambda gate, up: (_swiglu(gate, up), (gate, up)), _swiglu_bwd)
-
 TOKEN_AXES = (DATA, EXPERT, SEQ)  # the mesh axes that split tokens
 
 
@@ -199,7 +171,7 @@ def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int
     rows = x_nd[order // k]  # [R, D], grouped by expert
     # gate and up apart: merging [2, F] into one dim would move F's shards (over `tensor`)
     gate, up = (ragged_dot(rows, gate_up_edcf[:, :, c], sizes) for c in (0, 1))
-    y = ragged_dot(swiglu(gate, up), down_efd, sizes)  # [R, D]; 0 past the groups
+    y = ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes)  # [R, D]; 0 past the groups
     w = jnp.where(mine, weights_nk.reshape(-1), 0.0)[order].astype(y.dtype)
     return jnp.zeros((n, d), y.dtype).at[order // k].add(y * w[:, None])
 
@@ -237,7 +209,7 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
     buffer = jnp.zeros((e_local * cap + 1, d), x_nd.dtype).at[where].set(rows)
     buffer = buffer[:-1].reshape(e_local, cap, d)
     gate, up = (jnp.einsum("ecd,edf->ecf", buffer, gate_up_edcf[:, :, c]) for c in (0, 1))
-    out = jnp.einsum("ecf,efd->ecd", swiglu(gate, up), down_efd).reshape(-1, d)
+    out = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down_efd).reshape(-1, d)
     y = jnp.where(kept[:, None], out[jnp.minimum(where, e_local * cap - 1)], 0)
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights_nk.astype(y.dtype))
 
