@@ -13,7 +13,7 @@ from functools import cached_property
 import jax
 import numpy as np
 
-from . import dist, store
+from . import dist, hostmem, store
 from .config import Config
 from .plan import Plan
 
@@ -139,6 +139,8 @@ def setup(cfg: Config | Plan, devices=None) -> Job:
 
     plan = cfg if isinstance(cfg, Plan) else Plan.resolve(cfg, devices)
     cfg = plan.cfg
+    if isinstance(plan.mesh, jax.sharding.Mesh) and plan.mesh.devices.flat[0].platform == "cpu":
+        hostmem.keep_freed_memory()  # XLA:CPU's per-step temporaries: reused, not re-faulted
     graphdef, abstract, shardings = state_shardings(plan)
     step_fn = make_train_step(plan, graphdef, shardings)
     batches, held = training_data(cfg)
