@@ -69,7 +69,9 @@ ready_nodes() {  # how many nodes could take a pod now
 
 pods=$full extra=() restart=0
 while true; do
-  "$kubectl" delete job "$name" --ignore-not-found --wait=true >/dev/null || exit 1
+  # foreground: returns once the old Job's pods are gone, so two Jobs never write the run
+  "$kubectl" delete job "$name" --ignore-not-found --cascade=foreground --wait=true \
+      >/dev/null || exit 1
   render "$pods" "$@" "${extra[@]}" | "$kubectl" apply -f - >/dev/null || exit 1
   echo "k8s_elastic.sh: job $name on $pods pods${extra[*]:+ with ${extra[*]}}" >&2
   watch_pods "$pods"

@@ -23,6 +23,8 @@ from pathlib import Path
 here = Path(__file__).parent
 cluster = json.loads((here / "cluster.json").read_text())
 args = sys.argv[1:]
+with open(here / "calls", "a") as calls:
+    calls.write(" ".join(args) + "\n")
 if args[0] == "apply":
     cluster["applied"] += 1
     (here / f"job{{cluster['applied']}}.yaml").write_text(sys.stdin.read())
@@ -78,6 +80,12 @@ def test_a_lost_node_gives_a_smaller_job_with_the_same_batch_and_a_node_back_the
         (4, 4, "4", 0, base + ["mesh.data=4", "train.microbatches=1"]),
     ]
     assert "3 of 4 nodes ready; restart 1" in err and "job spmd3d finished" in err
+    # each Job is applied once the one before is gone, pods and all
+    calls = [c.split()[:2] for c in (tmp_path / "calls").read_text().splitlines()
+             if c.startswith(("apply", "delete"))]
+    assert calls == [["delete", "job"], ["apply", "-f"]] * 3
+    assert all("--cascade=foreground --wait=true" in c
+               for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("delete"))
 
 
 def test_a_pod_no_node_takes_counts_as_lost(tmp_path):
