@@ -24,7 +24,7 @@ here = Path(__file__).parent
 cluster = json.loads((here / "cluster.json").read_text())
 args = sys.argv[1:]
 with open(here / "calls", "a") as calls:
-    calls.write(" ".join(args) + "\n")
+    calls.write(" ".join(args) + "\\n")
 if args[0] == "apply":
     cluster["applied"] += 1
     (here / f"job{{cluster['applied']}}.yaml").write_text(sys.stdin.read())
