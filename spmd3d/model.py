@@ -27,7 +27,7 @@ from .manual import psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
 from .swiglu import swiglu
 from .ops import Ops, apply_block
-from .vocab import embed_lookup, head_logits, loss_chunks, token_shards
+from .vocab import backward_after, embed_lookup, head_logits, loss_chunks, token_shards
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        use_param)
 
@@ -355,7 +355,8 @@ class Transformer(nnx.Module):
             piece = jax.checkpoint(piece, prevent_cse=False, policy=policies.nothing_saveable
                                    if n > 1 else policies.save_only_these_names("logits"))
             total = jnp.zeros_like(labels, f32, shape=())  # typed like the labels (varying)
-            return jax.lax.scan(piece, total, (x, labels.reshape(n, -1)), unroll=unroll())[0]
+            return backward_after(jax.lax.scan(piece, total, (x, labels.reshape(n, -1)),
+                                               unroll=unroll())[0])
 
         layout = current_layout()
         mesh, manual, rows, cols = (None, (), None, None) if layout is None else token_shards(layout)

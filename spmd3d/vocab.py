@@ -40,6 +40,30 @@ def _head_logits_bwd(residuals, g_nv):
 head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
+@jax.custom_vjp
+def backward_after(total):
+    """The loss pieces' sum, unchanged, whose backward starts only once the forward has it.
+
+    The backward recomputes the pieces in a loop of its own that needs nothing of the forward
+    loop, and XLA gives the all-reduces inside both loops (the log-sum-exp over `vocab`) the
+    same channel. XLA:CPU (jax 0.10) may then start either loop first on each device: devices
+    pair their loops up the other way round, one goes on to the head gradient's all-reduce
+    over `data` while its partner still has a loop to run, and the two wait for each other
+    until XLA stops the run (docs/benchmarks.md). A GPU keeps one order on every device; tying
+    the backward's cotangent to the forward's sum gives that order here too."""
+    return total
+
+
+def _backward_after_bwd(total, g):
+    # a data dependency: XLA:CPU's executor orders operations by the buffers they read and
+    # write, not by control edges (an optimization barrier becomes one); x - x is not folded
+    # for floats (it is NaN for an infinite x), so g is unchanged for any finite loss
+    return (g + (total - total),)
+
+
+backward_after.defvjp(lambda total: (total, total), _backward_after_bwd)
+
+
 def loss_chunks(tokens: int, chunk: int) -> int:
     """How many pieces the head and loss cut a device's `tokens` into: the fewest that divide
     them evenly with at most `chunk` tokens each (0: one piece)."""

@@ -129,3 +129,38 @@ def test_head_backward_runs_in_the_compute_dtype():
     ours, ref = (_dot_operand_types(loss(f), *args) for f in (head_logits, autodiff))
     assert len(ours) == 3 and set(ours) == {("bf16", "bf16")}, ours
     assert ref.count(("f32", "f32")) == 2, ref  # what it replaces: both upcast to fp32
+
+
+def _entry_graph(hlo_text: str):
+    """({instruction: its operands}, {op_name: instruction} of the while loops) of the
+    compiled module's entry computation."""
+    entry = hlo_text[hlo_text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    operands, loops = {}, {}
+    for line in entry.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = .*?[\w\-]+\((.*)$", line)
+        if m:
+            operands[m[1]] = set(re.findall(r"%[\w.\-]+", m[2].split(", metadata=")[0]))
+            if " while(" in line:
+                loops[re.search(r'op_name="([^"]*)"', line)[1]] = m[1]
+    return operands, loops
+
+
+def test_the_loss_backward_starts_after_the_forward_loss_on_every_device():
+    """The recomputed loss pieces' loop needs nothing of the forward loop by itself, and XLA
+    gives the log-sum-exp's all-reduce in both the same channel: XLA:CPU then ran the two in
+    either order per device, and devices waited on each other for good (1 run in 5, data 4 x
+    tensor 2 in bf16; `vocab.backward_after`). The backward loop must read the forward's."""
+    from helpers import job_for
+
+    cfg = small_config(data=4, tensor=2, extra=["parallel.loss_chunk=32"])
+    operands, loops = _entry_graph(job_for(cfg).compile()[0].as_text())
+    forward = loops["jit(train_step)/jvp()/shard_map/while"]
+    backward = loops["jit(train_step)/transpose(jvp())/shard_map/while"]
+    seen, todo = set(), [backward]
+    while todo:
+        for o in operands.get(todo.pop(), ()):
+            if o not in seen:
+                seen.add(o)
+                todo.append(o)
+    assert forward in seen
