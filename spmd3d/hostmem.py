@@ -11,7 +11,7 @@ step, about 9 % of the step's CPU time in the kernel, 7 % of its tokens/s.
 `keep_freed_memory` sets the two thresholds once: blocks up to 1 GiB come from the heap, and
 freed memory stays there for the next step's block instead of going back to the system. The
 resident size then stays at its peak between steps (the peak itself does not change). It is
-glibc's `mallopt`; on another C library (macOS, musl) it does nothing and says so. `runtime.setup`
+glibc's `mallopt`; on another C library (macOS, musl) it returns False. `runtime.setup`
 calls it for CPU devices: on a GPU the temporaries live in the device's own allocator.
 """
 
