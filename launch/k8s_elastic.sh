@@ -29,7 +29,11 @@ python=${PYTHON:-python3}
 [[ -x .venv/bin/python && -z ${PYTHON:-} ]] && python=.venv/bin/python
 spec=${SPMD3D_JOB_SPEC:-launch/k8s.yaml} name=${SPMD3D_JOB_NAME:-spmd3d}
 gpus=${SPMD3D_GPUS:-8} poll=${SPMD3D_POLL_S:-10} pending_limit=${SPMD3D_PENDING_S:-300}
-full=${1:?usage: launch/k8s_elastic.sh PODS CONFIG [key=value ...]}
+full=${1:-}
+[[ $full =~ ^[1-9][0-9]*$ ]] || {
+  echo "usage: launch/k8s_elastic.sh PODS CONFIG [key=value ...] (PODS = number of pods, got '$full')" >&2
+  exit 2
+}
 shift
 
 render() {  # render PODS ARG...: the Job spec for PODS pods running `spmd3d.train ARG...`

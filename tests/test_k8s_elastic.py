@@ -112,3 +112,11 @@ def test_bad_input_stops_at_once(tmp_path):
     ], DP4_TP2)
     assert status == 2 and len(specs) == 1, err
     assert "exited 2 (bad input)" in err
+
+
+def test_a_pod_count_that_is_not_a_number_is_refused_with_one_line():
+    for argv in ([], ["four"], ["0"]):
+        out = subprocess.run(["bash", str(SUPERVISOR), *argv], capture_output=True, text=True,
+                             env={**os.environ, "KUBECTL": "false"}, timeout=60)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stderr.startswith("usage: launch/k8s_elastic.sh PODS")
