@@ -26,7 +26,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "BOOL": np.bool_}
 TAGS = {np.dtype(v): k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
-BLOCK = 4 << 20  # bytes a writer copies at a time
+BLOCK = 1 << 20  # bytes a writer copies at a time
 
 
 class HFError(ConfigError):

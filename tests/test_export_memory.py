@@ -4,8 +4,8 @@ A 24-layer model whose largest stacked weight (the MLP's gate and up projections
 layer in fp32) is 24 times one layer. Its checkpoint holds the parameters alone (what an export
 reads), in random values. In a process of its own, with its peak resident memory reset once
 everything is imported:
-* export reads each stacked weight a layer at a time and streams the safetensors files: its peak
-  is below 3 layers above the baseline, and its files equal, tensor for tensor and bit for
+* export reads each stacked weight a layer at a time, each layer a chunk (an eighth of it) at a
+  time, and streams the safetensors files: its peak is below 3 layers above the baseline, and its files equal, tensor for tensor and bit for
   bit, what a whole-array export (the previous one) wrote;
 * import reads each tensor on its own (no memory map) and places a weight a layer at a time:
   above the parameters it places on the device (host memory here), its peak is likewise
@@ -119,9 +119,12 @@ def _measure(what: str, src: Path, dst: Path) -> dict:
 
 def test_export_holds_a_layer_and_writes_what_a_whole_array_export_did(run_dir, tmp_path):
     from spmd3d import checkpoint
+    from spmd3d.checkpoint.slices import StepArrays
     from spmd3d.hf import weights
     from spmd3d.hf_files import Files
 
+    chunk = StepArrays(run_dir)._open("params/blocks/mlp/w_gate_up").chunk_layout.read_chunk
+    assert np.prod(chunk.shape) * 4 == LAYER // 8, chunk  # what a read holds: an eighth layer
     got = _measure("export", run_dir, tmp_path / "hf")
     above = got["peak"] - got["base"]
     print(f"export: peak {above / 2**20:.1f} MiB above the baseline; one layer "

@@ -6,13 +6,18 @@ weight is read one layer at a time, so a host holds one layer of one weight. Eac
 still checked against its fingerprint: the layers' shares add up to it (`store.
 fingerprint_part`), and a mismatch raises `Damaged` once the last layer has been read.
 
-Steps saved since the layer-sized chunks (`Checkpointer.save`) read exactly one layer's
-chunks per layer. An older step's chunks span every layer of a device's shard: its layers still
-come one at a time, but each read decodes those chunks whole.
+A layer is read a chunk at a time into an array of its own. Steps saved since the chunks of an
+eighth of a layer (`Checkpointer.save`) hold the layer and about a chunk: tensorstore's read
+buffers are a chunk's, compressed and decoded, and are handed back on its own threads a little
+after the read completes, which a chunk's size keeps small. A step saved with layer-sized chunks
+reads each layer in one piece (its compressed and decoded copies at once). An older step's
+chunks span every layer of a device's shard: its layers still come one at a time, but each read
+decodes those chunks whole.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -64,8 +69,7 @@ class StepArrays:
         version, total = _version(self.meta) if self.meta else FINGERPRINT, 0
         for i in pieces:
             try:
-                part = np.asarray(array[i].read().result() if i is not None
-                                  else array.read().result())
+                part = _read(array) if i is None else _read_layer(array, i)
             except Exception as e:  # noqa: BLE001 -- a chunk that does not decode
                 raise Damaged(self.step, f"{key} is unreadable: {str(e).splitlines()[0][:160]}")
             total += fingerprint_part(part, (i or 0) * per_piece, version)
@@ -74,3 +78,22 @@ class StepArrays:
         expected = self.meta.get("fingerprint", {}).get(key)
         if expected is not None and expected != total & 0xFFFFFFFF:
             raise Damaged(self.step, f"{key} does not match its fingerprint")
+
+
+def _read(array) -> np.ndarray:
+    return np.asarray(array.read().result())
+
+
+def _read_layer(array, i: int) -> np.ndarray:
+    """Layer `i` of `array`, a chunk at a time into an array of its own. tensorstore hands a
+    read's buffers back a little after the read completes (on its own threads), so reading a
+    chunk at a time bounds what it holds by a chunk or two, not a layer or two."""
+    layer = array[i]
+    chunk = array.chunk_layout.read_chunk.shape[1:]
+    if all(c >= n for c, n in zip(chunk, layer.shape)):
+        return _read(layer)  # one chunk (a step saved with layer-sized chunks, or a small layer)
+    out = np.empty(layer.shape, layer.dtype.numpy_dtype)
+    for start in itertools.product(*(range(0, n, c) for n, c in zip(layer.shape, chunk))):
+        block = tuple(slice(s, s + c) for s, c in zip(start, chunk))
+        out[block] = _read(layer[block])
+    return out
