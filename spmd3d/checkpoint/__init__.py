@@ -244,22 +244,24 @@ _SMALL_CHUNKS = _SmallChunks()
 logging.getLogger('absl').addFilter(_SMALL_CHUNKS)
 
 
-LAYER_PARTS = 8  # a stacked array's chunks: an eighth of one layer of a device's shard
+LAYER_PARTS = 8  # a stacked array's chunks: an eighth of one layer of a device's shard ...
+MIN_CHUNK = 1 << 20  # ... or 1 MiB, if more: a layer up to 1 MiB is one chunk
 
 
 def _layer_chunks(state):
     """Save arguments that store a stacked array ([L, ...]: the keys under `blocks/`) in chunks of
-    at most an eighth of one layer of a device's shard, so that one layer reads back alone and a
-    chunk at a time (`slices.StepArrays`: a host holds the layer and one chunk, not a layer's
-    compressed and decoded copies at once); layers under 64 KiB (a norm's) stay in one chunk.
-    orbax warns of chunks under 1 MiB, once per array and save: that line is dropped
-    (`_SMALL_CHUNKS`)."""
+    an eighth of one layer of a device's shard (at least 1 MiB; a smaller layer is one chunk),
+    so that one layer reads back alone and a chunk at a time (`slices.StepArrays`: a host holds
+    the layer and a chunk, not a layer's compressed and decoded copies at once); a stack of
+    layers under 64 KiB (a norm's) stays in one chunk. orbax warns of chunks under 1 MiB, once
+    per array and save: that line is dropped (`_SMALL_CHUNKS`)."""
     def args(path, x):
         shard = x.sharding.shard_shape(x.shape) if hasattr(x, 'sharding') else np.shape(x)
         layer = int(np.prod(shard[1:])) * np.dtype(x.dtype).itemsize
         if 'blocks/' not in key_of(path) or len(shard) < 2 or layer < 1 << 16:
             return ocp.SaveArgs()  # (a stack of small layers, a norm's: read whole)
-        return ocp.SaveArgs(chunk_byte_size=layer // LAYER_PARTS, shard_axes=(0,))
+        return ocp.SaveArgs(chunk_byte_size=max(layer // LAYER_PARTS, MIN_CHUNK),
+                            shard_axes=(0,))
 
     return jax.tree_util.tree_map_with_path(args, state)
 
