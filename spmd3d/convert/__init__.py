@@ -95,7 +95,10 @@ def _place(reader, w, model, aval):
         arrays = [jax.device_put(np.ascontiguousarray(cut(full, bounds[d])), d) for d in devices]
         return jax.make_array_from_single_device_arrays(shape, aval.sharding, arrays)
     # a stacked weight: each device's shard starts as zeros on the device and takes one layer
-    # at a time (updated in place: the buffer is donated), so the host holds one layer
+    # at a time (updated in place: the buffer is donated), so the host holds one layer. A layer
+    # goes over in slabs of about an eighth of its rows, each a copy of its own: a transfer
+    # lets go of its host memory a little after it completes (on jax's threads), and what it
+    # holds on to is then a slab, not the layer beside the next one being converted
     import jax.numpy as jnp
 
     bufs = {d: jnp.zeros([hi - lo for lo, hi in bounds[d]], aval.dtype, device=d)
@@ -105,22 +108,30 @@ def _place(reader, w, model, aval):
         if users:
             full = convert(layer)
             for d in users:
-                piece = jax.device_put(np.ascontiguousarray(cut(full, bounds[d][1:])), d)
-                bufs[d] = _layer_setter()(bufs[d], piece, layer - bounds[d][0][0])
-                del piece  # (on a CPU it may share `full`'s memory)
+                part, at = cut(full, bounds[d][1:]), layer - bounds[d][0][0]
+                rows = -(-len(part) // SLABS)
+                for row in range(0, len(part), rows):
+                    piece = jax.device_put(np.array(part[row:row + rows]), d)
+                    bufs[d] = _rows_setter()(bufs[d], piece, at, row)
+                    del piece
+                del part
             jax.block_until_ready([bufs[d] for d in users])  # no layer left in flight
             del full
     return jax.make_array_from_single_device_arrays(shape, aval.sharding,
                                                     [bufs[d] for d in devices])
 
 
+SLABS = 8  # a stacked weight's layer goes to a device in this many slabs of rows
+
+
 @lru_cache(maxsize=1)
-def _layer_setter():
-    """`(buf, piece, index) -> buf` with `buf[index] = piece`, in place (`buf` donated)."""
+def _rows_setter():
+    """`(buf, rows, index, row) -> buf` with `buf[index, row:row + len(rows)] = rows`, in place
+    (`buf` donated)."""
     import jax
 
-    return jax.jit(lambda b, p, i: jax.lax.dynamic_update_index_in_dim(b, p, i, 0),
-                   donate_argnums=0)
+    return jax.jit(lambda b, p, i, r: jax.lax.dynamic_update_slice(
+        b, p[None], (i, r) + (0,) * (p.ndim - 1)), donate_argnums=0)
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, cfg: Config, devices=None) -> Path:
