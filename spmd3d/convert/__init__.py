@@ -109,7 +109,7 @@ def _place(reader, w, model, aval):
             full = convert(layer)
             for d in users:
                 part, at = cut(full, bounds[d][1:]), layer - bounds[d][0][0]
-                rows = -(-len(part) // SLABS)
+                rows = max(1, -(-len(part) // SLABS))
                 for row in range(0, len(part), rows):
                     piece = jax.device_put(np.array(part[row:row + rows]), d)
                     bufs[d] = _rows_setter()(bufs[d], piece, at, row)
