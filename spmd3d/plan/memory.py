@@ -242,6 +242,10 @@ def activation_bytes(plan) -> dict:
     # policy kept), the scores a kernel that keeps none computes again, and the projections'
     # output cotangents
     working = kept("none") - kept(inner) + layer.projection_outputs + _kernel_working(plan)
+    if plan.attention == "blocked":  # its backward's fp32 gradient of the scores, once the
+        # MLP's backward has let go of what it recomputed
+        mlp = layer.kept("none", split, drops, True) - layer.kept(inner, split, drops, True)
+        working += max(0.0, Widths.of(plan).scores * F32 - mlp)
     m = cfg.model
     if m.is_moe and s is not None and mesh["tensor"] > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself

@@ -61,6 +61,7 @@ class Residual:
     nbytes: float
     stream: bool  # from the residual stream or a norm: split over tensor under SP
     select: bool  # the output of a select (`jnp.where`): a mask, or values masked by one
+    mlp: bool = False  # made in the MLP (its `named_scope`): gone before attention's backward
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,13 @@ class LayerBytes:
         """What `jax.vjp` hands over under `policy`: what 1F1B and ZB-H1 stash."""
         return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy])
 
-    def kept(self, policy: str, tensor_split: int = 1, xla_drops: bool = True) -> float:
+    def kept(self, policy: str, tensor_split: int = 1, xla_drops: bool = True,
+             mlp_only: bool = False) -> float:
         """What autodiff's backward keeps under `policy` once XLA schedules it itself: with
         quirk `vjp_hands_over_more` (`xla_drops`), it recomputes selects (the blocked kernel's
-        masks and masked scores) rather than keep them."""
+        masks and masked scores) rather than keep them; `mlp_only`: of that, the MLP's."""
         return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
-                   if not (xla_drops and r.select))
+                   if not (xla_drops and r.select) and (r.mlp or not mlp_only))
 
 
 def of(plan) -> LayerBytes:
@@ -131,7 +133,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1) -> LayerBytes:
 
     def per_token(policy):
         one, two = residuals(policy, 1), residuals(policy, 2)
-        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select)
+        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select, a.mlp)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
 
     def taps(rows):
@@ -173,5 +175,6 @@ def _describe(jaxpr) -> list[Residual]:
         select = eqn is not None and (eqn.primitive.name == "select_n" or str(
             eqn.params.get("name", "")) == "_where")
         out.append(Residual(float(aval.size * aval.dtype.itemsize),
-                            stream=eqn is None or bool(scopes & stream_scopes), select=select))
+                            stream=eqn is None or bool(scopes & stream_scopes), select=select,
+                            mlp=any(c.endswith(("mlp", "(mlp)")) for c in scopes)))
     return out
