@@ -12,8 +12,9 @@ Memory per device, by kind:
   the layer passes alive at the peak (`activation_bytes`: one microbatch without a pipeline,
   the schedule's slots or stash with one), plus the working set of the one layer whose backward
   runs: what it recomputes, its projections' output cotangents, the scores a kernel that keeps
-  none computes again, and under ZeRO-2/3 the layer's weights and their gradient whole over
-  data (`layer_weights`);
+  none computes again, the blocked kernel's fp32 gradient of the scores it kept (beyond what
+  the MLP recomputed, gone by then), and under ZeRO-2/3 the layer's weights and their gradient
+  whole over data (`layer_weights`);
 * pipeline buffers, logits/loss and the layers ZeRO-3 gathers for a pipelined step
   (`working_terms`, which the compiled report's breakdown uses too).
 """

@@ -21,7 +21,8 @@ those projections' outputs (found by their `named_scope`s) is counted at 1/tenso
 the layer runs on the gathered sequence.
 
 The projections' outputs (`Ops.project`'s taps) are the cotangents a layer's backward holds at
-once, and with their inputs what a zero-bubble schedule's W waits for.
+once, and with their inputs what a zero-bubble schedule's W waits for. What the MLP keeps (its
+`named_scope`) is tagged: its backward runs first and lets go of it before attention's starts.
 
 Cached per distinct layer, so a search of thousands of layouts traces each a few times.
 """
