@@ -244,14 +244,17 @@ _SMALL_CHUNKS = _SmallChunks()
 logging.getLogger('absl').addFilter(_SMALL_CHUNKS)
 
 
-LAYER_PARTS = 8  # a stacked array's chunks: an eighth of one layer of a device's shard ...
-MIN_CHUNK = 1 << 20  # ... or 1 MiB, if more: a layer up to 1 MiB is one chunk
+def layer_piece(layer_bytes: int) -> int:
+    """Bytes of the pieces a stacked array's layer of `layer_bytes` crosses host memory in (the
+    checkpoint's chunks, the import's transfers): an eighth of it, at least 1 MiB, so that what
+    a library holds on to a little after a read or a transfer completes is a piece, not a
+    layer; a layer up to 1 MiB goes whole."""
+    return max(layer_bytes // 8, 1 << 20)
 
 
 def _layer_chunks(state):
     """Save arguments that store a stacked array ([L, ...]: the keys under `blocks/`) in chunks of
-    an eighth of one layer of a device's shard (at least 1 MiB; a smaller layer is one chunk),
-    so that one layer reads back alone and a chunk at a time (`slices.StepArrays`: a host holds
+    an eighth of one layer of a device's shard (`layer_piece`: at least 1 MiB), so that one layer reads back alone and a chunk at a time (`slices.StepArrays`: a host holds
     the layer and a chunk, not a layer's compressed and decoded copies at once); a stack of
     layers under 64 KiB (a norm's) stays in one chunk. orbax warns of chunks under 1 MiB, once
     per array and save: that line is dropped (`_SMALL_CHUNKS`)."""
@@ -260,8 +263,7 @@ def _layer_chunks(state):
         layer = int(np.prod(shard[1:])) * np.dtype(x.dtype).itemsize
         if 'blocks/' not in key_of(path) or len(shard) < 2 or layer < 1 << 16:
             return ocp.SaveArgs()  # (a stack of small layers, a norm's: read whole)
-        return ocp.SaveArgs(chunk_byte_size=max(layer // LAYER_PARTS, MIN_CHUNK),
-                            shard_axes=(0,))
+        return ocp.SaveArgs(chunk_byte_size=layer_piece(layer), shard_axes=(0,))
 
     return jax.tree_util.tree_map_with_path(args, state)
 

@@ -96,10 +96,12 @@ def _place(reader, w, model, aval):
         return jax.make_array_from_single_device_arrays(shape, aval.sharding, arrays)
     # a stacked weight: each device's shard starts as zeros on the device and takes one layer
     # at a time (updated in place: the buffer is donated), so the host holds one layer. A layer
-    # goes over in slabs of about an eighth of its rows, each a copy of its own: a transfer
-    # lets go of its host memory a little after it completes (on jax's threads), and what it
-    # holds on to is then a slab, not the layer beside the next one being converted
+    # goes over in slabs of rows (`layer_piece`: an eighth of it, at least 1 MiB), each a copy
+    # of its own: a transfer lets go of its host memory a little after it completes (on jax's
+    # threads), and what it holds on to is then a slab, not the layer beside the next one
     import jax.numpy as jnp
+
+    from ..checkpoint import layer_piece
 
     bufs = {d: jnp.zeros([hi - lo for lo, hi in bounds[d]], aval.dtype, device=d)
             for d in devices}
@@ -109,7 +111,7 @@ def _place(reader, w, model, aval):
             full = convert(layer)
             for d in users:
                 part, at = cut(full, bounds[d][1:]), layer - bounds[d][0][0]
-                rows = max(1, -(-len(part) // SLABS))
+                rows = max(1, layer_piece(part.nbytes) // max(1, part[:1].nbytes))
                 for row in range(0, len(part), rows):
                     piece = jax.device_put(np.array(part[row:row + rows]), d)
                     bufs[d] = _rows_setter()(bufs[d], piece, at, row)
@@ -119,9 +121,6 @@ def _place(reader, w, model, aval):
             del full
     return jax.make_array_from_single_device_arrays(shape, aval.sharding,
                                                     [bufs[d] for d in devices])
-
-
-SLABS = 8  # a stacked weight's layer goes to a device in this many slabs of rows
 
 
 @lru_cache(maxsize=1)

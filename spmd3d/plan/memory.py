@@ -240,13 +240,11 @@ def activation_bytes(plan) -> dict:
         stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)
         per_pass = kept("full") if whole else chunk * stash(inner)
     # one layer's backward: what it recomputes (all it would keep under `none`, less what the
-    # policy kept), the scores a kernel that keeps none computes again, and the projections'
-    # output cotangents
-    working = kept("none") - kept(inner) + layer.projection_outputs + _kernel_working(plan)
-    if plan.attention == "blocked":  # its backward's fp32 gradient of the scores, once the
-        # MLP's backward has let go of what it recomputed
-        mlp = layer.kept("none", split, drops, True) - layer.kept(inner, split, drops, True)
-        working += max(0.0, Widths.of(plan).scores * F32 - mlp)
+    # policy kept), what its attention kernel holds on top (`_kernel_working`), and the
+    # projections' output cotangents
+    mlp = layer.kept("none", split, drops, True) - layer.kept(inner, split, drops, True)
+    working = (kept("none") - kept(inner) + layer.projection_outputs
+               + _kernel_working(plan, mlp_recomputed=mlp))
     m = cfg.model
     if m.is_moe and s is not None and mesh["tensor"] > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
@@ -263,14 +261,19 @@ def activation_bytes(plan) -> dict:
             "w_stash_per_pass": int(w_stash)}
 
 
-def _kernel_working(plan) -> float:
-    """Bytes per token a kernel that keeps no scores (`ring.py`'s custom vjps) holds while its
-    backward runs: one step's scores (the queries against one device's keys) computed again,
-    their fp32 probabilities and gradient and the compute-dtype copy a matmul reads, and under
-    the gather the sequence's K/V with their fp32 gradients."""
+def _kernel_working(plan, mlp_recomputed: float) -> float:
+    """Bytes per token the attention kernel's backward holds beyond what its layer recomputes.
+    A kernel that keeps no scores (`ring.py`'s custom vjps): one step's scores (the queries
+    against one device's keys) computed again, their fp32 probabilities and gradient and the
+    compute-dtype copy a matmul reads, and under the gather the sequence's K/V with their fp32
+    gradients. The blocked kernel, which keeps its scores: their fp32 gradient, beyond
+    `mlp_recomputed` (what the MLP recomputed, let go of when its backward, which runs first,
+    is done). cuDNN's: nothing."""
+    w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.mesh.shape["seq"]
+    if plan.attention == "blocked":
+        return max(0.0, w.scores * F32 - mlp_recomputed)
     if plan.attention not in ("ring", "gather"):
         return 0.0
-    w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.mesh.shape["seq"]
     scores = w.scores * (2 * F32 + c)
     if plan.attention == "gather":
         scores += 2 * seq * w.kv * (c + F32)
