@@ -2,7 +2,9 @@
 the loss's pieces): the bottom of the package, importing nothing of it.
 
 - `vary`, `psum`: a value made to vary over manual axes (its cotangent summed over them), and
-  a sum over them; a float narrower than 32 bits is summed in fp32;
+  a sum over them; `all_gather`, `psum_scatter`: a tiled gather along dim 0 over one manual
+  axis (its cotangent reduce-scattered), and a sum scattered along dim 0; every sum of a float
+  narrower than 32 bits, forward or backward, runs in fp32;
 - `select`, `store_if`: a scalar-predicated choice and buffer write that keep no mask;
 - `unrolled_loops` / `unroll`: trace the loops unrolled, for FLOP checks of a schedule.
 """
@@ -85,6 +87,37 @@ def _vary_bwd(axes, _, ct):
 
 
 _vary_fp32_sum.defvjp(_vary_fwd, _vary_bwd)
+
+
+def all_gather(x, axis):
+    """`lax.all_gather(x, axis, tiled=True)` along dim 0; the backward's reduce-scatter of a
+    narrow float sums in fp32 (the gather itself moves the narrow dtype: nothing is summed)."""
+    return _gather_fp32_sum(x, axis) if _narrow(x) else \
+        jax.lax.all_gather(x, axis, tiled=True)
+
+
+def psum_scatter(x, axis):
+    """`lax.psum_scatter(x, axis, tiled=True)` along dim 0, a narrow float summed in fp32
+    and cast back; the backward's all-gather moves the narrow dtype."""
+    return _scatter_fp32_sum(x, axis) if _narrow(x) else \
+        jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_fp32_sum(x, axis):
+    return jax.lax.all_gather(x, axis, tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scatter_fp32_sum(x, axis):
+    return jax.lax.psum_scatter(x.astype(jnp.float32), axis, scatter_dimension=0,
+                                tiled=True).astype(x.dtype)
+
+
+_gather_fp32_sum.defvjp(lambda x, axis: (_gather_fp32_sum(x, axis), None),
+                        lambda axis, _, ct: (_scatter_fp32_sum(ct, axis),))
+_scatter_fp32_sum.defvjp(lambda x, axis: (_scatter_fp32_sum(x, axis), None),
+                         lambda axis, _, ct: (_gather_fp32_sum(ct, axis),))
 
 
 def select(pred, a, b):

@@ -186,7 +186,7 @@ class MoE(nnx.Module):
         c, L = self.cfg, self.cfg.num_layers
         with jax.named_scope("experts"):
             y = moe.experts_layer(
-                x_btd, _use(self.router, self.dtype), _use(self.w_gate_up, self.dtype),
+                x_btd, _use(self.router, jnp.float32), _use(self.w_gate_up, self.dtype),
                 _use(self.w_down, self.dtype), self.bias[...], self.probe[...],
                 k=c.experts_per_token, renormalize=c.router_renormalize,
                 aux_weight=c.router_aux_loss_coef / L, z_weight=c.router_z_loss_coef / L,

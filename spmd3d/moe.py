@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import grouped
-from .manual import psum, vary, varying
+from .manual import all_gather, psum, psum_scatter, vary, varying
 from .mesh import DATA, EXPERT, SEQ
 from .sharding import Untrained, current_layout
 from .vocab import token_shards
@@ -247,7 +247,9 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         b, t, d = x.shape
         x = x.reshape(-1, d)
         router, probe = vary(router, tokens), vary(probe, tokens)
-        logits = jnp.einsum("nd,de->ne", x, router, preferred_element_type=jnp.float32)
+        # fp32 operands, as DeepSeek-V3's gate and Megatron's `moe_router_dtype=fp32`: the
+        # logits decide discrete choices, and a bf16 input or weight ties and flips them
+        logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), router)
         experts = choose(logits, k, bias)
         first, mine, e_local = 0, experts, gate_up.shape[0]
         if e_axis is not None:  # every assignment of the group, and which experts are ours
@@ -259,14 +261,16 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
             slot, dropped = slots(mine, first, e_local, cap)
         weights = weigh(balanced(logits, probe, experts, dropped, how), experts, renormalize)
         if t_axis is not None:  # before the gather: the backward sums one token's gradient
-            x = vary(x, (t_axis,))
+            # (and the weights', in fp32: they meet the experts' outputs, which vary over
+            # `tensor`, cast to the compute dtype)
+            x, weights = vary(x, (t_axis,)), vary(weights, (t_axis,))
         if e_axis is not None:
-            x, weights = (jax.lax.all_gather(a, e_axis, tiled=True) for a in (x, weights))
+            x, weights = all_gather(x, e_axis), all_gather(weights, e_axis)
         gate_up, down = vary(gate_up, tokens), vary(down, tokens)
         y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel) if slot is None else
              capacity_ffn(x, gate_up, down, weights, slot, cap))
         if e_axis is not None:
-            y = jax.lax.psum_scatter(y, e_axis, scatter_dimension=0, tiled=True)
+            y = psum_scatter(y, e_axis)
         if t_axis is not None:
             y = psum(y, (t_axis,))
         return y.reshape(b, t, d)

@@ -153,16 +153,18 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
             fwd + restage + bwd * (2 + (remat != "none")))
 
     # expert: an MoE layer all-gathers its tokens (with their choices: k weights and ids) over
-    # `expert` and reduce-scatters the outputs back; the backward runs the transposes
+    # `expert` and reduce-scatters the outputs back; the backward runs the transposes. The
+    # reduce-scatters sum a narrow float in fp32 (`manual.psum_scatter`, `manual.all_gather`)
     if m.is_moe and ep > 1:
         gathered = ep * n * m.d_model * c
+        summed = ep * n * m.d_model * max(c, F32)
         choices = ep * n * m.experts_per_token * (F32 + 4)
         add("tokens to the experts", "gather", ("expert",), gathered + choices,
             fwd + restage + bwd * (remat != "none"))
         # (a recompute drops it: the backward needs the experts' outputs, not their sums)
-        add("experts' outputs back", "reduce-scatter", ("expert",), gathered, fwd + restage)
+        add("experts' outputs back", "reduce-scatter", ("expert",), summed, fwd + restage)
         add("tokens' gradients back", "reduce-scatter", ("expert",),
-            gathered + ep * n * m.experts_per_token * F32, bwd)
+            summed + ep * n * m.experts_per_token * F32, bwd)
         add("outputs' gradients to the experts", "gather", ("expert",), gathered, bwd)
 
     # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
