@@ -1,8 +1,9 @@
 """Mixture-of-Experts on 8 simulated devices equals one device (float32, dropless): losses
 at every step and every gradient leaf, with a shared expert, the balancing loss, the z-loss
 and the bias on, for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP, with the
-sequence over the ring, in 1F1B and ZB-H1 pipelines, and ZeRO-3 over the replicas, under
-every remat policy; and a checkpoint written at one expert-parallel degree resumed at
+sequence over the ring, in every pipeline schedule (GPipe, circular GPipe, 1F1B, interleaved
+1F1B, ZB-H1), the capacity path split 4 ways, and ZeRO-3 over the replicas, under every remat
+policy; and a checkpoint written at one expert-parallel degree resumed at
 another. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
 is a microbatch's)."""
 
@@ -19,7 +20,8 @@ MOE = ("model.num_experts=8", "model.experts_per_token=2", "model.d_ff_expert=64
        "model.shared_experts=1",
        "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001",
        "model.router_bias_rate=0.01", "train.steps=4", "optim.decay_steps=4")
-# every remat policy among them: none, save_dots, full, and a whole stage's
+L4 = ("model.num_layers=4",)
+# every remat policy among them: none, save_dots, full, and a whole stage's; every schedule
 LAYOUTS = {
     "ep8": dict(data=8, extra=("mesh.expert=8",)),
     # ZeRO-3 over the replicas: each expert's weights split over the 2 devices that hold it
@@ -31,6 +33,14 @@ LAYOUTS = {
                      extra=("mesh.expert=2", "parallel.pipeline_schedule=1f1b")),
     "ep2_tp2_sp_zb_h1": dict(data=2, stage=2, tensor=2, sp=True, remat="full",
                              extra=("mesh.expert=2", "parallel.pipeline_schedule=zb_h1")),
+    "ep2_gpipe": dict(data=4, stage=2, extra=("mesh.expert=2",)),
+    # circular GPipe and interleaved 1F1B: two chunks of one layer per stage (a 4-layer model)
+    "ep2_circular_gpipe": dict(data=4, stage=2, remat="stage",
+                               extra=("mesh.expert=2", "parallel.pipeline_repeats=2", *L4)),
+    "ep2_tp2_interleaved_1f1b": dict(data=2, stage=2, tensor=2, extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_repeats=2", *L4)),
+    # the capacity path with room for every token (capacity factor E / k) is the dropless layer
+    "ep4_capacity": dict(data=8, extra=("mesh.expert=4", "model.capacity_factor=4")),
 }
 
 
@@ -46,6 +56,8 @@ def reference():
 @pytest.mark.parametrize("name", by_layout(LAYOUTS))
 def test_moe_layouts_match_one_device(reference, name):
     cfg = moe_config(**LAYOUTS[name])
+    if cfg.model.num_layers != 2:
+        reference = reference_run(moe_config(extra=L4))
     assert_grads_match(cfg, reference[1], untrained=("blocks/mlp/bias",))
     assert_losses_match(cfg, reference[0], grads_too=True)
 
