@@ -37,6 +37,8 @@ bench gpu_3b configs/gpu_3b.yaml --steps=10
 # float8 peak, and the FP8 GEMMs XLA made of the projections
 bench gpu_1b_fp8 configs/gpu_1b.yaml --steps=10 model.fp8=delayed
 bench gpu_3b_fp8 configs/gpu_3b.yaml --steps=10 model.fp8=delayed
+# emulated: the same casts and scales, the GEMMs kept in bf16 (0 FP8 GEMMs)
+bench gpu_1b_fp8_emulated configs/gpu_1b.yaml --steps=10 model.fp8=delayed model.fp8_emulate=true
 
 # Mixture-of-Experts on the 1B shape cut to 8 layers: 8 experts of half the MLP's width, top-2
 # (the dense MLP's active FLOPs), beside the dense model of those 8 layers; the experts' kernel

@@ -4,8 +4,10 @@
 and down) through `einsum`: its input and weight are quantized to e4m3 and its output's
 gradient to e5m2, each with a per-tensor scale, and dequantized to the compute dtype around
 the matmul (quantize -> dequantize -> dot: the pattern XLA's GPU compiler rewrites into a
-cuBLASLt FP8 GEMM on Hopper; elsewhere, with `model.fp8_emulate`, the same casts and scales
-run with the GEMM in the compute dtype). Attention's own products, the norms, the router,
+cuBLASLt FP8 GEMM on Hopper). `model.fp8_emulate` keeps the casts and scales and runs the GEMMs
+in the compute dtype on any device: the dequantized operands pass an optimization barrier,
+which the rewrite cannot see through (on a Hopper GPU, FP8's rounding without FP8's GEMMs:
+what separates the two when a loss curve differs; elsewhere, what runs at all). Attention's own products, the norms, the router,
 the experts, the head and the loss stay in the compute dtype.
 
 **Delayed scaling.** A tensor's scale at step t comes from the largest absolute value (amax)
@@ -29,6 +31,7 @@ scaled tensor's largest value lands in [0.84, 1] of the fp8 maximum, not on it.
 
 from __future__ import annotations
 
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +56,11 @@ class Fp8State(Untrained):
 
 class Fp8Meta(nnx.Module):
     """The scaling state of a module's projections, in `PROJECTIONS` order: `history`
-    [P, 3, H] and `probe` [P, 3, BINS] (3: `ROLES`); `margin`, `model.fp8_margin`."""
+    [P, 3, H] and `probe` [P, 3, BINS] (3: `ROLES`); `margin`, `model.fp8_margin`; `emulate`,
+    `model.fp8_emulate`."""
 
-    def __init__(self, projections: int, history: int, margin: int = 0):
-        self.margin = margin
+    def __init__(self, projections: int, history: int, margin: int = 0, emulate: bool = False):
+        self.margin, self.emulate = margin, emulate
         self.history = Fp8State(jnp.zeros((projections, len(ROLES), history), jnp.float32),
                                 axes=("fp8", "fp8", "fp8"))
         self.probe = Fp8State(jnp.zeros((projections, len(ROLES), BINS), jnp.float32),
@@ -68,7 +72,7 @@ def meta(projections: int, cfg) -> Fp8Meta | None:
     ModelConfig), or None without `model.fp8`."""
     if cfg.fp8 == "off" or not projections:
         return None
-    return Fp8Meta(projections, cfg.fp8_history, cfg.fp8_margin)
+    return Fp8Meta(projections, cfg.fp8_history, cfg.fp8_margin, cfg.fp8_emulate)
 
 
 def scales(history_rh, margin: int = 0):
@@ -108,17 +112,23 @@ def _amax(x):
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-@jax.custom_vjp
-def _forward_qdq(x, scale, probe):
+def _gemm_input(x, emulate: bool):
+    """A dequantized GEMM operand; emulated, behind a barrier that keeps XLA's GPU compiler
+    from fusing the dequantize into an FP8 GEMM (the GEMM then runs in x's dtype)."""
+    return jax.lax.optimization_barrier(x) if emulate else x
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _forward_qdq(x, scale, probe, emulate):
     """e4m3 qdq of x; the gradient passes straight through, the probe's is x's histogram."""
-    return qdq(x, E4M3, scale)
+    return _gemm_input(qdq(x, E4M3, scale), emulate)
 
 
-def _forward_fwd(x, scale, probe):
-    return qdq(x, E4M3, scale), (_amax(x), scale)
+def _forward_fwd(x, scale, probe, emulate):
+    return _forward_qdq(x, scale, probe, emulate), (_amax(x), scale)
 
 
-def _forward_bwd(res, g):
+def _forward_bwd(emulate, res, g):
     amax, scale = res
     return g, jnp.zeros_like(scale), histogram(amax)
 
@@ -126,19 +136,20 @@ def _forward_bwd(res, g):
 _forward_qdq.defvjp(_forward_fwd, _forward_bwd)
 
 
-@jax.custom_vjp
-def _backward_qdq(y, scale, probe):
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _backward_qdq(y, scale, probe, emulate):
     """y as it is; its gradient is e5m2 qdq'd, the probe's gradient is the gradient's
     histogram."""
     return y
 
 
-def _backward_fwd(y, scale, probe):
+def _backward_fwd(y, scale, probe, emulate):
     return y, scale
 
 
-def _backward_bwd(scale, g):
-    return qdq(g, E5M2, scale), jnp.zeros_like(scale), histogram(_amax(g))
+def _backward_bwd(emulate, scale, g):
+    return (_gemm_input(qdq(g, E5M2, scale), emulate), jnp.zeros_like(scale),
+            histogram(_amax(g)))
 
 
 _backward_qdq.defvjp(_backward_fwd, _backward_bwd)
@@ -146,7 +157,8 @@ _backward_qdq.defvjp(_backward_fwd, _backward_bwd)
 
 def einsum(spec: str, x, w, state: Fp8Meta, i: int):
     """`jnp.einsum(spec, x, w)` through FP8 with projection `i`'s scaling in `state`: x and w
-    in e4m3, the output's gradient in e5m2."""
+    in e4m3, the output's gradient in e5m2 (dequantized, in x's dtype; with `state.emulate`
+    behind a barrier, so that the GEMMs stay in that dtype on a Hopper GPU too)."""
     s = jax.lax.stop_gradient(scales(state.history[i], state.margin))
     probe_rb = state.probe[i]
     # inside a shard_map each probe varies as its tensor does: its gradient, this device's
@@ -154,8 +166,10 @@ def einsum(spec: str, x, w, state: Fp8Meta, i: int):
     def probe(i, a):
         return vary(probe_rb[i], varying(jax.typeof(a)))
 
-    y = jnp.einsum(spec, _forward_qdq(x, s[0], probe(0, x)), _forward_qdq(w, s[1], probe(1, w)))
-    return _backward_qdq(y, s[2], probe(2, y))
+    emulate = state.emulate
+    y = jnp.einsum(spec, _forward_qdq(x, s[0], probe(0, x), emulate),
+                   _forward_qdq(w, s[1], probe(1, w), emulate))
+    return _backward_qdq(y, s[2], probe(2, y), emulate)
 
 
 # ---------------------------------------------------------------------------------------------

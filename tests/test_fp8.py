@@ -27,7 +27,7 @@ import pytest
 
 from helpers import (SMALL, by_layout, devices_for, job_for, max_rel_diff, small_config,
                      start_state, _grad_fn)
-from spmd3d import config, fp8
+from spmd3d import config, fp8, hlo
 from spmd3d.checkpoint import load
 from spmd3d.plan import Plan
 from spmd3d.step import microbatches, reorder
@@ -87,6 +87,65 @@ def test_scales_come_from_the_history():
     assert s[1] == 1.0  # 448 / e4m3's 448
     assert s[2] == pytest.approx(1.0 / 57344.0)  # e5m2's max
     assert np.asarray(fp8.scales(h, margin=1))[0, 2] == pytest.approx(2.0 / 57344.0)
+
+
+def test_emulated_gemms_read_their_operands_through_a_barrier():
+    """A projection's GEMMs read its dequantized operands (x and w; the output's gradient in
+    the backward) as they are: the pattern XLA's GPU compiler fuses into FP8 GEMMs. Emulated,
+    each passes an optimization barrier first, which that rewrite cannot see through: the
+    GEMMs stay in the compute dtype on a Hopper GPU too, with the same numbers."""
+    x, w = jax.random.normal(jax.random.key(0), (8, 16)), jnp.full((16, 32), 0.1)
+
+    def step(emulate):
+        state = fp8.Fp8Meta(1, 4, emulate=emulate)
+
+        def loss(x, w):
+            return jnp.sum(jnp.square(fp8.einsum("bd,df->bf", x, w, state, 0)))
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        return grad(x, w), grad.lower(x, w).as_text().count("stablehlo.optimization_barrier")
+
+    (direct, none), (emulated, three) = step(False), step(True)
+    assert (none, three) == (0, 3)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(emulated)):
+        np.testing.assert_array_equal(a, b)
+
+
+# A GPU module as XLA's GPU compiler leaves it, abridged by hand (no GPU compiles here): a
+# projection's forward and input-gradient GEMMs rewritten into cuBLASLt FP8 calls, its weight
+# gradient's inside a loop body, and an unquantized GEMM (the head's) in bf16.
+GPU_HLO = """HloModule jit_step, entry_computation_layout={(f8e4m3fn[256,512]{1,0}, f8e4m3fn[1024,512]{1,0})->bf16[256,1024]{1,0}}
+
+%body (p: (s32[], bf16[512,1024])) -> (s32[], bf16[512,1024]) {
+  %p = (s32[], bf16[512,1024]{1,0}) parameter(0)
+  %x8 = f8e4m3fn[512,256]{1,0} constant({...})
+  %g8 = f8e5m2[1024,256]{1,0} constant({...})
+  %s = f32[] constant(1)
+  %dw = (bf16[512,1024]{1,0}, s8[33554432]{0}) custom-call(%x8, %g8, %s, %s, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"epilogue":"DEFAULT"}}
+  %i = s32[] get-tuple-element(%p), index=0
+  %dw0 = bf16[512,1024]{1,0} get-tuple-element(%dw), index=0
+  ROOT %t = (s32[], bf16[512,1024]{1,0}) tuple(%i, %dw0)
+}
+
+ENTRY %main (x: f8e4m3fn[256,512], w: f8e4m3fn[1024,512]) -> bf16[256,1024] {
+  %x = f8e4m3fn[256,512]{1,0} parameter(0)
+  %w = f8e4m3fn[1024,512]{1,0} parameter(1)
+  %s = f32[] constant(1)
+  %y = (bf16[256,1024]{1,0}, s8[33554432]{0}) custom-call(%x, %w, %s, %s, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"epilogue":"DEFAULT"}}
+  %dx = (bf16[256,512]{1,0}, s8[33554432]{0}) custom-call(%g, %wt, %s, %s, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"epilogue":"DEFAULT"}}
+  %head = (bf16[256,4096]{1,0}, s8[33554432]{0}) custom-call(%h, %e), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"epilogue":"DEFAULT"}}
+  %old = bf16[256,4096]{1,0} custom-call(%h, %e), custom_call_target="__cublas$gemm"
+  %loop = (s32[], bf16[512,1024]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[256,1024]{1,0} get-tuple-element(%y), index=0
+}
+"""
+
+
+def test_fp8_gemms_counts_the_cublaslt_fp8_calls_of_a_gpu_module():
+    """What `bench` reports as the step's FP8 GEMMs: the cuBLASLt FP8 calls, each once
+    (the one in the loop body too), not the bf16 GEMMs beside them."""
+    assert hlo.fp8_gemms(GPU_HLO) == 3
+    assert hlo.fp8_gemms(GPU_HLO.replace("$lt$matmul$f8", "$lt$matmul")) == 0
 
 
 def test_refused_where_fp8_gemms_cannot_run_unless_emulated():
