@@ -82,8 +82,8 @@ class Experiment:
         from .runtime import setup
 
         if devices is None:  # a fixed mesh smaller than the machine takes its first devices
-            sizes = cfg.mesh.sizes()
-            n = sizes["stage"] * sizes["tensor"] * sizes["seq"] * max(sizes["data"], 0)
+            # (mesh.data counts the expert-parallel devices too; -1 takes them all)
+            n = cfg.mesh.num_devices if cfg.mesh.data > 0 else 0
             devices = jax.devices()[:n] if n else jax.devices()
         self.job = setup(cfg, devices)
         self.plan = self.job.plan

@@ -98,6 +98,23 @@ def test_data_parallel_losses_equal_one_device(one, dp):
     assert got[-1] < got[0]
 
 
+def test_an_expert_axis_takes_its_devices_and_equals_one_device():
+    """`mesh.data` counts the expert-parallel devices too: data 4 (experts split 4 ways) x
+    tensor 2 is 8 devices (it was taken as 2), and trains to one device's losses."""
+    moe = ["model.num_experts=8", "model.experts_per_token=2", "model.d_ff_expert=64"]
+
+    def moe_cfg(**mesh):
+        return spmd3d.configure(None, SMALL + [f"train.steps={STEPS}", *moe],
+                                mesh=dict(stage=1, seq=1, **mesh))
+
+    split = trained(moe_cfg(data=4, expert=4, tensor=2))
+    assert split.mesh.size == 8
+    assert dict(split.mesh.shape) == {"data": 1, "expert": 4, "stage": 1, "tensor": 2, "seq": 1}
+    alone = trained(moe_cfg(data=1, expert=1, tensor=1))
+    got, want = ([r["loss"] for r in e.history[:STEPS]] for e in (split, alone))
+    assert max_rel_diff(got, want) < 1e-4, (got, want)
+
+
 def test_params_table_matches_rules_and_the_state(tp):
     rows = tp.params_table()
     assert "blocks/mlp/w_down" in repr(rows)  # prints as a table
