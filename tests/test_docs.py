@@ -24,6 +24,16 @@ def test_readme_is_a_front_door():
     assert len(lines) <= 200, f"README.md has {len(lines)} lines: the long form goes to docs/"
 
 
+def test_readme_tour_links_every_module():
+    """A newcomer's map has no blank: each module of the package (a package's `__init__` and
+    command entry points aside) is linked from the README."""
+    readme = (ROOT / "README.md").read_text()
+    modules = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "spmd3d").rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py")]
+    missing = [m for m in modules if f"]({m})" not in readme]
+    assert not missing, f"README.md's tour does not link {missing}"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
