@@ -1,12 +1,13 @@
 # make train: trains the demo model (simulated CPU devices when there is no GPU)
 # make test:  the test suite on 8 simulated CPU devices
+# make test-fast: each feature once (tests/conftest.py FAST), a few minutes
 # make bench: throughput / compile time / memory of a named config and mesh (BENCH_ARGS=...)
 # make notebook: opens notebooks/small_meshes.ipynb in JupyterLab (installed into .venv on first use)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: train test bench notebook clean
+.PHONY: train test test-fast bench notebook clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,9 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 tests $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=5 -m fast tests $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m spmd3d.bench $(BENCH_ARGS)
