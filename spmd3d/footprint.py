@@ -181,12 +181,13 @@ def format_report(r: dict) -> list[str]:
         f"{r['topology']} has {r['device_memory_bytes'] / 1e9:.0f}",
     ]
     if "expert_weights" in k:
-        m = r["mesh"]
-        split = m.get("expert", 1) * m["tensor"] * m["stage"]
-        whole = k["expert_weights_total"] / split
+        from .mesh import Degrees
+
+        deg = Degrees.of(r["mesh"])
+        whole = k["expert_weights_total"] / (deg.expert * deg.tensor * deg.stage)
         lines.append(f"  expert weights {gb(k['expert_weights'])} of the parameters: all "
-                     f"{gb(k['expert_weights_total'])} / (expert {m.get('expert', 1)} x tensor "
-                     f"{m['tensor']} x stage {m['stage']}) = {gb(whole)}"
+                     f"{gb(k['expert_weights_total'])} / (expert {deg.expert} x tensor "
+                     f"{deg.tensor} x stage {deg.stage}) = {gb(whole)}"
                      + (", exactly" if k["expert_weights"] == whole else ""))
     lines.append("collectives per step (per device, loop trips counted)")
     for x in r["collectives"]:

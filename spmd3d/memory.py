@@ -17,7 +17,6 @@ import re
 
 from .cli import Failure
 from .config import ConfigError
-from .mesh import data_degree
 from .units import human
 
 
@@ -88,7 +87,7 @@ def _kinds(plan, need: dict) -> dict:
 
 def _advice(plan, largest: str) -> str:
     cfg = plan.cfg
-    par, mesh, t = cfg.parallel, cfg.mesh, cfg.train
+    par, mesh = cfg.parallel, cfg.mesh
     tips = []
     if largest == "parameters and optimizer state":
         if par.zero_stage < 3:
@@ -101,8 +100,7 @@ def _advice(plan, largest: str) -> str:
     else:
         if par.remat in ("none", "save_dots"):
             tips.append("parallel.remat=full" + (" or stage" if plan.schedule else ""))
-        rows = t.global_batch // plan.microbatches // data_degree(plan.mesh.shape)
-        if rows > 1:
+        if plan.rows_per_microbatch > 1:
             tips.append("more train.microbatches (fewer rows at a time)")
         if mesh.seq == 1:
             tips.append("mesh.seq (ring attention)")
@@ -111,7 +109,7 @@ def _advice(plan, largest: str) -> str:
         if plan.schedule:
             tips.append("more mesh.stage")
         tips.append(f"a smaller parallel.loss_chunk (now {par.loss_chunk})")
-        tips.append(f"a smaller train.seq_len (now {t.seq_len})")
+        tips.append(f"a smaller train.seq_len (now {cfg.train.seq_len})")
     return ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1]
 
 

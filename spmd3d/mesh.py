@@ -30,9 +30,47 @@ def axis_names(sizes: dict) -> tuple:
     return AXES[:2] + (EXPERT,) + AXES[2:] if EXPERT in sizes else AXES
 
 
-def data_degree(shape) -> int:
-    """Devices the batch is split over: data x expert."""
-    return shape[DATA] * shape.get(EXPERT, 1)
+@dataclass(frozen=True)
+class Degrees:
+    """Every parallel degree of a mesh, one name for each meaning (torchtitan's `ParallelDims`),
+    and the counts that follow from them. Modules read these, not axis sizes by name.
+
+    `replicas` is the mesh's `data` axis: under expert parallelism the copies of each expert
+    shard, else every data-parallel device. The batch is split over `batch` = replicas x
+    expert devices: the config's `mesh.data`."""
+
+    replicas: int = 1
+    expert: int = 1
+    stage: int = 1
+    tensor: int = 1
+    seq: int = 1
+
+    @classmethod
+    def of(cls, shape) -> "Degrees":
+        """The degrees of a mesh's axis sizes (`mesh.shape`, `MeshConfig.sizes()`, a report's
+        mesh)."""
+        return cls(shape[DATA], shape.get(EXPERT, 1), shape[STAGE], shape[TENSOR], shape[SEQ])
+
+    @property
+    def batch(self) -> int:
+        """Devices that split the batch: replicas x expert."""
+        return self.replicas * self.expert
+
+    @property
+    def token_split(self) -> int:
+        """Devices that split a step's tokens among them: the batch's, times `seq`."""
+        return self.batch * self.seq
+
+    @property
+    def devices(self) -> int:
+        return self.batch * self.stage * self.tensor * self.seq
+
+    def sizes(self) -> dict[str, int]:
+        """Mesh axis sizes in the mesh's order (`axis_names`); `expert` only when it splits."""
+        sizes = {DATA: self.replicas, STAGE: self.stage, TENSOR: self.tensor, SEQ: self.seq}
+        if self.expert > 1:
+            sizes[EXPERT] = self.expert
+        return {a: sizes[a] for a in axis_names(sizes)}
 MESH_DIR = Path(__file__).resolve().parent / "meshes"  # top-level meshes/ links here
 
 

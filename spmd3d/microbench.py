@@ -8,7 +8,6 @@ import statistics
 import time
 
 from .config import Config, ConfigError
-from .mesh import data_degree
 
 
 def measure_attention(cfg: Config, repeats: int = 5) -> dict:
@@ -27,9 +26,9 @@ def measure_attention(cfg: Config, repeats: int = 5) -> dict:
     from .plan import Plan
 
     plan = Plan.resolve(cfg)
-    m, t, mesh = plan.cfg.model, plan.cfg.train, plan.mesh.shape
-    rows = max(1, t.global_batch // t.microbatches // data_degree(mesh))
-    k, g = m.num_kv_heads // mesh["tensor"], m.num_heads // m.num_kv_heads
+    m, t = plan.cfg.model, plan.cfg.train
+    rows = max(1, plan.rows_per_microbatch)
+    k, g = m.num_kv_heads // plan.degrees.tensor, m.num_heads // m.num_kv_heads
     shapes = [(rows, t.seq_len, k, g, m.dim_per_head)] + [(rows, t.seq_len, k, m.dim_per_head)] * 2
     keys = jax.random.split(jax.random.key(0), 4)
     q, kk, v = (jax.random.normal(key, s, m.dtype) for key, s in zip(keys, shapes))
@@ -92,16 +91,15 @@ def measure_experts(cfg: Config, repeats: int = 5) -> dict:
 
     from . import grouped
     from .plan import Plan
-    from .plan.memory import tokens_per_pass
 
     plan = Plan.resolve(cfg)
     if not plan.experts:
         raise ConfigError("model.num_experts", "--experts needs an MoE model (num_experts > 0)")
-    m, mesh, kernel = plan.cfg.model, plan.mesh.shape, plan.experts[0]
-    ep = mesh.get("expert", 1)
+    m, deg, kernel = plan.cfg.model, plan.degrees, plan.experts[0]
+    ep = deg.expert
     e = m.num_experts // ep
-    rows = ep * tokens_per_pass(plan) * min(m.experts_per_token, e) // e * e
-    d, f = m.d_model, m.expert_width // mesh["tensor"]
+    rows = ep * plan.tokens_per_microbatch * min(m.experts_per_token, e) // e * e
+    d, f = m.d_model, m.expert_width // deg.tensor
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (rows, d), m.dtype)
     w = jax.random.normal(keys[1], (e, d, f), m.dtype) / d ** 0.5

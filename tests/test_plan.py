@@ -10,7 +10,7 @@ import pytest
 
 from helpers import devices_for, small_config
 from spmd3d import config
-from spmd3d.mesh import load_topology
+from spmd3d.mesh import Degrees, load_topology
 from spmd3d.pipeline import Schedule
 from spmd3d.plan import Plan
 
@@ -26,6 +26,23 @@ def decisions(plan: Plan) -> dict:
     return {"rules": plan.rules, "schedule": plan.schedule, "accum": plan.accum_steps,
             "layers": plan.layer_order, "seq": plan.seq_order, "attention": plan.attention,
             "specs": plan.param_specs(), "cfg": plan.cfg, "mesh": dict(plan.mesh.shape)}
+
+
+def test_the_degrees_name_each_meaning_once():
+    """`mesh.data` counts the devices that split the batch, the mesh's `data` axis the
+    replicas beside `expert`: `Plan.degrees` names both, and the counts that follow."""
+    moe = ["model.num_experts=4", "model.experts_per_token=2", "mesh.expert=2",
+           "model.num_layers=4", "parallel.pipeline_repeats=2"]
+    cfg = small_config(data=4, stage=2, micro=4, extra=moe)  # 8 devices, 16 sequences of 32
+    plan = Plan.resolve(cfg, devices_for(cfg))
+    deg = plan.degrees
+    assert (deg.replicas, deg.expert, deg.batch, deg.stage, deg.tensor, deg.seq) == (2, 2, 4, 2, 1, 1)
+    assert deg.devices == plan.num_devices == cfg.mesh.num_devices == 8
+    assert deg.sizes() == dict(plan.mesh.shape)  # the mesh's axes, in its order
+    assert list(deg.sizes()) == ["data", "stage", "expert", "tensor", "seq"]
+    assert plan.rows_per_microbatch == 16 // 4 // 4 and plan.tokens_per_microbatch == 32
+    assert (plan.layers_per_stage, plan.layers_per_chunk) == (2, 1)  # two chunks of one layer
+    assert list(Degrees(seq=2).sizes()) == ["data", "stage", "tensor", "seq"]  # no expert axis
 
 
 def test_plan_from_a_topology_equals_the_plan_on_devices():

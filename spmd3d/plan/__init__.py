@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-import numpy as np
 
 from .. import grouped
 from ..attention import choose, fallback
 from ..config import Config, ConfigError, compute_dtype, resolve_mesh
-from ..mesh import FP8_PEAK, Topology, abstract_mesh, load_topology, make_mesh, split_over_hosts
+from ..mesh import (FP8_PEAK, Degrees, Topology, abstract_mesh, load_topology, make_mesh,
+                    split_over_hosts)
 from ..pipeline import Schedule, layer_order
 from ..ring import zigzag_order
 from ..sharding import ZeroRules, zero_rules
@@ -188,13 +188,40 @@ class Plan:
         return self.layer_order == tuple(range(len(self.layer_order)))
 
     @property
+    def degrees(self) -> Degrees:
+        """Every parallel degree of the plan's mesh, one name for each meaning."""
+        return Degrees.of(self.mesh.shape)
+
+    @property
     def num_devices(self) -> int:
-        return int(np.prod(list(self.mesh.shape.values())))
+        return self.degrees.devices
 
     @property
     def microbatches(self) -> int:
         """Microbatches a step runs: the pipeline's, or those accumulated one after another."""
         return self.schedule.microbatches if self.schedule else self.accum_steps
+
+    @property
+    def rows_per_microbatch(self) -> int:
+        """Sequences of one microbatch on one device."""
+        return self.cfg.train.global_batch // self.microbatches // self.degrees.batch
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        """Tokens of one microbatch on one device (its rows, their share of the sequence)."""
+        return self.rows_per_microbatch * self.cfg.train.seq_len // self.degrees.seq
+
+    @property
+    def layers_per_stage(self) -> int:
+        """Layer slots stored on one device (padding slots included): all of them without a
+        pipeline, a stage's with one."""
+        return len(self.layer_order) // (self.schedule.stages if self.schedule else 1)
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Layers one pass over a device's stack runs: a chunk of a circular pipeline's stage,
+        else all its layers."""
+        return self.layers_per_stage // (self.schedule.repeats if self.schedule else 1)
 
     @property
     def peak_dtype(self) -> str:
@@ -235,7 +262,7 @@ class Plan:
         par = self.cfg.parallel
         sharded = self.rules.grads_over_batch and par.zero_stage < 2  # ZeRO-1 accumulating
         m = self.cfg.mesh
-        experts = (f" (the data devices as data {self.mesh.shape['data']} x expert "
+        experts = (f" (the data devices as data {self.degrees.replicas} x expert "
                    f"{m.expert}: the experts split {m.expert} ways)" if m.expert > 1 else "")
         lines = [f"mesh {dict(self.mesh.shape)}{experts}, ZeRO-{par.zero_stage}"
                  f"{' (gradients accumulated sharded)' if sharded else ''}, "

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-from ..mesh import data_degree
+from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
-                     state_bytes, tokens_per_pass, UNTRAINED)
+                     state_bytes, UNTRAINED)
 from ..units import gb
 from . import quirks
 from .quirks import applies
@@ -88,15 +88,15 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     again, and the compiler's quirks (`quirks.py`)."""
     cfg, s, mesh = plan.cfg, plan.schedule, dict(plan.mesh.shape)
     m, par, rules = cfg.model, cfg.parallel, plan.rules
-    d, p, t, q = data_degree(mesh), mesh["stage"], mesh["tensor"], mesh["seq"]
-    batch = ("data", "expert")  # the batch's axes (`expert`: under expert parallelism)
-    c, w, n = itemsize(m.dtype), Widths.of(plan), tokens_per_pass(plan)
+    deg = plan.degrees
+    d, p, t, q = deg.batch, deg.stage, deg.tensor, deg.seq
+    batch = (DATA, EXPERT)  # the batch's axes (`expert`: under expert parallelism)
+    c, w, n = itemsize(m.dtype), Widths.of(plan), plan.tokens_per_microbatch
     pb, sp = itemsize(m.param_dtype), par.sequence_parallel and t > 1
     remat = "full" if par.remat == "stage" else par.remat  # the per-layer policy
     micro = plan.microbatches
-    stored = len(plan.layer_order) // (s.stages if s else 1)  # layers stored on a device
-    chunk = stored // (s.repeats if s else 1)
-    rows_split = batch + (("stage",) if s else ())  # what splits the embedding's rows
+    chunk = plan.layers_per_chunk
+    rows_split = batch + ((STAGE,) if s else ())  # what splits the embedding's rows
     tokens = cfg.train.global_batch * cfg.train.seq_len // (d * q * (p if s else 1))
     items = []
 
@@ -107,7 +107,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
 
     # layer passes a device runs: forward and backward (lockstep, bubbles included)
     if s is None:
-        fwd = bwd = micro * stored
+        fwd = bwd = micro * plan.layers_per_stage
     else:
         fwd = bwd = s.forwards * chunk
     # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
@@ -123,7 +123,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # (as sent: an all-reduce is a reduce-scatter and a gather, so SP's four cost its two)
     # (an MoE layer in a pipeline reduces its experts' sums instead of the MLP's: below)
     experts_auto = m.is_moe and s is not None and t > 1
-    add("layers' activations", "reduce-scatter" if sp else "reduce", ("tensor",), act,
+    add("layers' activations", "reduce-scatter" if sp else "reduce", (TENSOR,), act,
         (fwd + restage) * f + bwd * (f + again) - (fwd + bwd) * experts_auto)
     # the embedding's lookup (psum of its vocab shards, in fp32: `manual.psum`) and the head's
     # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
@@ -131,11 +131,11 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     head_tokens = tokens
     if s is not None and s.head_inside:
         head_tokens = n * s.head_runs
-    add("embedding lookup", "reduce", ("tensor",), tokens * m.d_model * max(pb, F32))
-    add("head input gradient", "reduce", ("tensor",), head_tokens * m.d_model * F32)
+    add("embedding lookup", "reduce", (TENSOR,), tokens * m.d_model * max(pb, F32))
+    add("head input gradient", "reduce", (TENSOR,), head_tokens * m.d_model * F32)
     if sp:
-        add("final norm gathered", "gather", ("tensor",), head_tokens * m.d_model * c)
-        add("embedding cotangent gathered", "gather", ("tensor",), tokens * m.d_model * F32)
+        add("final norm gathered", "gather", (TENSOR,), head_tokens * m.d_model * c)
+        add("embedding cotangent gathered", "gather", (TENSOR,), tokens * m.d_model * F32)
 
     # an MoE layer sums its experts' outputs over `tensor` itself (and the transpose its
     # inputs' gradients), in fp32; inside a pipeline it keeps `tensor` automatic, and the
@@ -144,12 +144,12 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # forward once, backward twice (the inputs' gradients of gate and up) and once more
     # where the backward recomputes the outputs (the router weights' gradient needs them);
     # read from the HLO of Mixtral 8x22B's compiled step
-    ep = mesh.get("expert", 1)
+    ep = deg.expert
     if m.is_moe and s is None and t > 1:  # (`manual.psum` sums a narrow float in fp32)
-        add("experts' sums, in fp32", "reduce", ("tensor",), act * (F32 - c) // c, fwd + bwd)
+        add("experts' sums, in fp32", "reduce", (TENSOR,), act * (F32 - c) // c, fwd + bwd)
     if experts_auto:
         rows = ep * n * min(m.experts_per_token, m.num_experts // ep)
-        add("experts' partial sums", "reduce", ("tensor",), rows * m.d_model * c,
+        add("experts' partial sums", "reduce", (TENSOR,), rows * m.d_model * c,
             fwd + restage + bwd * (2 + (remat != "none")))
 
     # expert: an MoE layer all-gathers its tokens (with their choices: k weights and ids) over
@@ -159,13 +159,13 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         gathered = ep * n * m.d_model * c
         summed = ep * n * m.d_model * max(c, F32)
         choices = ep * n * m.experts_per_token * (F32 + 4)
-        add("tokens to the experts", "gather", ("expert",), gathered + choices,
+        add("tokens to the experts", "gather", (EXPERT,), gathered + choices,
             fwd + restage + bwd * (remat != "none"))
         # (a recompute drops it: the backward needs the experts' outputs, not their sums)
-        add("experts' outputs back", "reduce-scatter", ("expert",), summed, fwd + restage)
-        add("tokens' gradients back", "reduce-scatter", ("expert",),
+        add("experts' outputs back", "reduce-scatter", (EXPERT,), summed, fwd + restage)
+        add("tokens' gradients back", "reduce-scatter", (EXPERT,),
             summed + ep * n * m.experts_per_token * F32, bwd)
-        add("outputs' gradients to the experts", "gather", ("expert",), gathered, bwd)
+        add("outputs' gradients to the experts", "gather", (EXPERT,), gathered, bwd)
 
     # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
     # shift is the backward's), and K, V with their fp32 gradients n times in the backward
@@ -174,13 +174,13 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     if q > 1 and plan.attention == "gather":  # ZB-H1: the whole sequence's K and V gathered
         # again in the backward (a layer's recompute reuses that gather, a stage's does not),
         # their fp32 gradients reduce-scattered
-        add("K, V gathered", "gather", ("seq",), 2 * q * kv, fwd + restage + bwd)
-        add("dK, dV reduce-scattered", "reduce-scatter", ("seq",), 2 * q * n * w.kv * F32, bwd)
+        add("K, V gathered", "gather", (SEQ,), 2 * q * kv, fwd + restage + bwd)
+        add("dK, dV reduce-scattered", "reduce-scatter", (SEQ,), 2 * q * n * w.kv * F32, bwd)
     elif q > 1:
         two = q == 2 and inlined  # one-step loops: their last shifts of K and V dropped
         shifts = (1 if two else q) * fwd + (0 if two else q - 1) * (fwd * redone(plan))
-        add("ring K, V", "permute", ("seq",), 2 * kv, shifts + (q - two) * bwd)
-        add("ring dK, dV", "permute", ("seq",), 2 * n * w.kv * F32, q * bwd)
+        add("ring K, V", "permute", (SEQ,), 2 * kv, shifts + (q - two) * bwd)
+        add("ring dK, dV", "permute", (SEQ,), 2 * n * w.kv * F32, q * bwd)
 
     # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
     if s is not None:
@@ -188,7 +188,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         moves = s.shifts()
         if s.mode != "autodiff" and inlined:  # one-slot phases' unused last shifts dropped
             moves -= (s.mode == "lockstep" and s.repeats * s.stages == 2) + (s.stages == 2)
-        add("pipeline shifts", "permute", ("stage",), res, moves)
+        add("pipeline shifts", "permute", (STAGE,), res, moves)
 
     # gradients: reduced over what splits the tokens (data, seq; the embedding and head also
     # over stage, their rows split over it), once per accumulated microbatch (a pipeline's
@@ -207,7 +207,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     fp32 = [k for k in blocks if "norm" in k or k.endswith(("router",) + UNTRAINED)]
     # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
     # `manual.vary`)
-    for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, ("data",))):
+    for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, (DATA,))):
         layer_bytes = (size([k for k in keys if k not in fp32], rules.compute)
                        * (F32 if s or keys is experts else c)
                        + size([k for k in keys if k in fp32], rules.compute) * F32)
@@ -216,9 +216,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
             times)
         # over seq after data when the gradients are sharded: the data shard only (a
         # pipeline's shard_map sums the stage's whole gradient over data and seq at once)
-        add("layer gradients", "reduce", ("seq",),
+        add("layer gradients", "reduce", (SEQ,),
             layer_bytes / (group if sharded and s is None else 1), times)
-    add("head gradient", "reduce", rows_split + ("seq",),
+    add("head gradient", "reduce", rows_split + (SEQ,),
         size(["head"], rules.compute) * F32 + m.d_model * F32, times)
     embed = size(["embed"], rules.compute) * F32
     if sharded and t == 1 and applies("lookup_moves_cotangents"):
@@ -226,9 +226,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
             plan.accum_steps)
         add("embedding ids", "gather", batch, n * d * 4, plan.accum_steps)
         add("embedding gradient", "reduce",
-            tuple(a for a in rows_split if a not in batch) + ("seq",), embed, times)
+            tuple(a for a in rows_split if a not in batch) + (SEQ,), embed, times)
     else:
-        add("embedding gradient", "reduce", rows_split + ("seq",), embed, times)
+        add("embedding gradient", "reduce", rows_split + (SEQ,), embed, times)
 
     # parameters gathered over data: ZeRO-1/2 once, after the update, as stored; ZeRO-3 the
     # layers before each use (forward, backward; a recompute reuses the backward's), cast to
@@ -238,14 +238,14 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     if rules.opt["embed"] is not None and rules.params["embed"] is None:
         held = size(experts, rules.params) * pb  # the experts': over their replicas only
         add("updated parameters", "gather", batch, state["parameters"] - held)
-        add("updated experts", "gather", ("data",), held)
+        add("updated experts", "gather", (DATA,), held)
     if rules.params["embed"] is not None:
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
         g = pb if s is not None else c
         dense = [k for k in blocks if k not in experts and not k.endswith(UNTRAINED)]
         add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * g, uses)
-        add("experts gathered (ZeRO-3)", "gather", ("data",), size(experts, rules.compute) * g,
+        add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
             uses)
         add("embedding and head gathered (ZeRO-3)", "gather", batch,
             size(["embed", "final_norm/scale"], rules.compute) * pb
@@ -313,7 +313,7 @@ def _versus_compiled(e: dict, compiled: dict, axis: str) -> str:
     """The compiled step's bytes over `axis` beside the analytic, where comparable (the
     compiled `data` axis is the real one unless XLA:CPU's device limit cut it)."""
     got = compiled.get("collective_bytes_per_axis", {}).get(axis)
-    if not got or (axis == "data" and compiled.get("data_cut", 1) > 1):
+    if not got or (axis == DATA and compiled.get("data_cut", 1) > 1):
         return ""
     return f" [compiled {got / 1e9:.2f} GB, {e['collectives']['result'][axis] / got:.3f}]"
 

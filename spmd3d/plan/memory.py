@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..mesh import data_degree
 from . import residuals
 from .quirks import applies
 
@@ -134,7 +133,7 @@ def layer_weights(plan) -> int:
     in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
     compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
     rules = plan.rules
-    if plan.schedule is not None or data_degree(plan.mesh.shape) == 1 or not rules.grads_over_batch:
+    if plan.schedule is not None or plan.degrees.batch == 1 or not rules.grads_over_batch:
         return 0
     c = itemsize(plan.cfg.model.dtype)
     layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
@@ -148,7 +147,7 @@ def expert_gradients(plan) -> int:
     m, mesh, rules = plan.cfg.model, dict(plan.mesh.shape), plan.rules
     if not m.is_moe or plan.schedule is not None:
         return 0
-    split = rules.grads["expert_embed"] is not None and mesh["data"] > 1
+    split = rules.grads["expert_embed"] is not None and plan.degrees.replicas > 1
     if plan.accum_steps == 1 and not split:
         return 0
     shapes = param_shapes(m, len(plan.layer_order))
@@ -162,20 +161,17 @@ def working_terms(plan) -> dict:
     piece of the loss (its logits, softmax and one-hot, fp32)."""
     from ..vocab import loss_chunks
 
-    cfg, mesh = plan.cfg, plan.mesh.shape
-    t, m = cfg.train, cfg.model
-    micro = plan.microbatches
-    rows = t.global_batch // micro // data_degree(mesh)
-    row = rows * t.seq_len // mesh["seq"]  # tokens of one microbatch on a device
+    cfg, m = plan.cfg, plan.cfg.model
+    row = plan.tokens_per_microbatch
     buffers, tokens = 0, row
     if plan.schedule:  # the stage's input and output slots, two belts and the inboxes
-        slots = -(-micro // plan.schedule.stages)
+        slots = -(-plan.microbatches // plan.schedule.stages)
         table = plan.schedule.table()
         buffers = (2 * slots + 2 + table.x_slots + table.ct_slots) * row * m.d_model
         tokens = slots * row
     piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
     return {"pipeline_buffers": buffers * itemsize(m.dtype),
-            "logits_loss": 3 * piece * m.vocab_size // mesh["tensor"] * 4,
+            "logits_loss": 3 * piece * m.vocab_size // plan.degrees.tensor * 4,
             "gathered_layers": gathered_layers(plan)}
 
 
@@ -189,7 +185,7 @@ class Widths:
 
     @classmethod
     def of(cls, plan) -> "Widths":
-        m, t = plan.cfg.model, plan.mesh.shape["tensor"]
+        m, t = plan.cfg.model, plan.degrees.tensor
         return cls(kv=m.num_kv_heads / t * m.dim_per_head,
                    scores=m.num_heads / t * _keys_per_query(plan))
 
@@ -199,7 +195,7 @@ def _keys_per_query(plan) -> float:
     no scores)."""
     from ..attention import computed_fraction
 
-    t, seq = plan.cfg.train.seq_len, plan.mesh.shape["seq"]
+    t, seq = plan.cfg.train.seq_len, plan.degrees.seq
     if plan.attention == "cudnn":
         return 0.0
     if plan.attention in ("ring", "gather"):  # a step scores a query against one device's keys
@@ -207,29 +203,21 @@ def _keys_per_query(plan) -> float:
     return t * computed_fraction(t)
 
 
-def tokens_per_pass(plan) -> int:
-    """Tokens of one microbatch on one device."""
-    cfg, mesh = plan.cfg, plan.mesh.shape
-    micro = plan.microbatches
-    return cfg.train.global_batch // micro // data_degree(mesh) * cfg.train.seq_len // mesh["seq"]
-
-
 def activation_bytes(plan) -> dict:
     """{saved_activations, layer_working, w_stash_per_pass}: per-device bytes the backward
     keeps at its peak, those one layer's backward needs on top, and what ZB-H1's W waits for
     per pass. Per-layer bytes are the layer's own (`residuals.of`)."""
-    cfg, s, mesh = plan.cfg, plan.schedule, plan.mesh.shape
+    cfg, s, deg = plan.cfg, plan.schedule, plan.degrees
     policy = cfg.parallel.remat
-    n = tokens_per_pass(plan)
+    n = plan.tokens_per_microbatch
     layer = residuals.of(plan)
-    split = mesh["tensor"] if cfg.parallel.sequence_parallel else 1  # the stream under SP
+    split = deg.tensor if cfg.parallel.sequence_parallel else 1  # the stream under SP
     drops = applies("vjp_hands_over_more")
 
     def kept(p):  # what autodiff keeps of a layer under policy p
         return layer.kept(p, split, xla_drops=drops)
 
-    layers = len(plan.layer_order) // (s.stages if s else 1)  # stored on this device
-    chunk = layers // (s.repeats if s else 1)  # one pass: a chunk (a stage's layers if v = 1)
+    layers, chunk = plan.layers_per_stage, plan.layers_per_chunk  # stored; one pass's
     # a pass that keeps its input alone: stage remat, and circular GPipe's recomputed stages
     whole = policy == "stage" or (s is not None and s.recomputes_stage)
     inner = "full" if policy == "stage" else policy  # the policy inside a stage checkpoint
@@ -246,11 +234,11 @@ def activation_bytes(plan) -> dict:
     working = (kept("none") - kept(inner) + layer.projection_outputs
                + _kernel_working(plan, mlp_recomputed=mlp))
     m = cfg.model
-    if m.is_moe and s is not None and mesh["tensor"] > 1:
+    if m.is_moe and s is not None and deg.tensor > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
         # (`estimate.transfers`): the backward's three sums of [R, D] (R = expert x tokens x
         # min(k, local experts)) run as one all-reduce, their results beside their inputs
-        ep = mesh.get("expert", 1)
+        ep = deg.expert
         rows = ep * min(m.experts_per_token, m.num_experts // ep)  # per token of the device
         working += 3 * rows * m.d_model * itemsize(m.dtype)
     if whole:  # the pass being recomputed keeps what its layers' policy saves
@@ -269,7 +257,7 @@ def _kernel_working(plan, mlp_recomputed: float) -> float:
     gradients. The blocked kernel, which keeps its scores: their fp32 gradient, beyond
     `mlp_recomputed` (what the MLP recomputed, let go of when its backward, which runs first,
     is done). cuDNN's: nothing."""
-    w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.mesh.shape["seq"]
+    w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.degrees.seq
     if plan.attention == "blocked":
         return max(0.0, w.scores * F32 - mlp_recomputed)
     if plan.attention not in ("ring", "gather"):
@@ -292,15 +280,15 @@ def memory(plan) -> dict:
                       mesh) * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
     # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
-    sharded = plan.rules.grads_over_batch and data_degree(mesh) > 1
+    sharded = plan.rules.grads_over_batch and plan.degrees.batch > 1
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
-    c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and mesh["tensor"] > 1
-    if (s is None and plan.accum_steps == 1 and not sp and mesh["seq"] == 1
-            and data_degree(mesh) > 1
+    deg = plan.degrees
+    c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and deg.tensor > 1
+    if (s is None and plan.accum_steps == 1 and not sp and deg.seq == 1 and deg.batch > 1
             and c < F32 and applies("head_gradient_fp32_copy")):
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0

@@ -45,11 +45,10 @@ def _as_the_step(ep: int = 1):
     import jax
 
     from ..grouped import standing_in
-    from ..mesh import EXPERT, abstract_mesh
+    from ..mesh import Degrees, abstract_mesh
     from ..sharding import activation_rules, zero_rules
-    sizes = {"data": 1, "stage": 1, "tensor": 1, "seq": 1, **({EXPERT: ep} if ep > 1 else {})}
     stack = ExitStack()
-    stack.enter_context(jax.sharding.use_abstract_mesh(abstract_mesh(sizes)))
+    stack.enter_context(jax.sharding.use_abstract_mesh(abstract_mesh(Degrees(expert=ep).sizes())))
     stack.enter_context(activation_rules(zero_rules(0, False, expert=ep > 1).compute, None))
     stack.enter_context(standing_in())  # a GPU plan's experts kernel: its buffers, traced here
     return stack
@@ -88,8 +87,8 @@ class LayerBytes:
 
 def of(plan) -> LayerBytes:
     """The plan's layer on one device (see the module's docstring)."""
-    m, mesh = plan.cfg.model, plan.mesh.shape
-    t, seq, ep = mesh["tensor"], mesh["seq"], mesh.get("expert", 1)
+    m, deg = plan.cfg.model, plan.degrees
+    t, seq, ep = deg.tensor, deg.seq, deg.expert
     local = replace(m, num_layers=1, vocab_size=8, num_heads=m.num_heads // t,
                     num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t,
                     d_ff_expert=m.expert_width // t)
@@ -110,7 +109,9 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1) -> LayerBytes:
     from ..ops import Ops
     from ..ring import gathered_attention_local, ring_attention_local
 
-    axis = "seq"
+    from ..mesh import SEQ
+
+    axis = SEQ
     attend = {"blocked": causal_attention,
               "cudnn": lambda q, k, v: ring_attention_local(q, k, v, axis, 1),
               "ring": lambda q, k, v: ring_attention_local(q, k, v, axis, seq),

@@ -89,8 +89,8 @@ class Candidate:
         """What the layout is, as the config spells it (to find a layout in the ranking)."""
         c = self.plan.cfg
         s = self.plan.schedule
-        return ((c.mesh.data, *(self.plan.mesh.shape[a] for a in ("stage", "tensor", "seq")),
-                 c.mesh.expert),
+        deg = self.plan.degrees
+        return ((deg.batch, deg.stage, deg.tensor, deg.seq, deg.expert),
                 c.parallel.zero_stage, c.parallel.sequence_parallel, c.parallel.remat,
                 (s.kind, s.repeats) if s else None, c.train.microbatches)
 
