@@ -146,6 +146,21 @@ def test_every_command_answers_help(command):
 OVER_400: dict[str, str] = {}
 
 
+def test_the_pipeline_runtime_reads_in_short_functions():
+    """The pipeline's runtime is its table's shape (a placement, the buffers' bookkeeping as
+    their methods, one executor per operation kind): no function of `pipeline/` runs past 80
+    lines (its nested functions counted within it)."""
+    import ast
+
+    long = {}
+    for m in MODULES:
+        if m == "pipeline" or m.startswith("pipeline."):
+            for node in ast.walk(ast.parse(FILES[m].read_text())):
+                if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= 80:
+                    long[f"{m}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long
+
+
 def test_modules_stay_small():
     sizes = {m: len(FILES[m].read_text().splitlines()) for m in MODULES}
     over = {m for m, n in sizes.items() if n > 400}

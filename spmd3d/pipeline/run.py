@@ -26,40 +26,18 @@ after the loop, instead of one per slot and layer.
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..manual import select, store_if, unroll, vary, varying
+from ..manual import select, unroll, vary, varying
 from ..sharding import flat_axes as _flat, stack_specs
-from .table import BACKWARD, END, FORWARD, FULL, IDLE, OP, WEIGHT, Table
-from .worker import Worker, consts_of, head_grads, stage_results
-
-
-def rings(p: int) -> tuple[list, list]:
-    """`ppermute` pairs one stage ahead and one stage back round the ring of p stages."""
-    return [(s, (s + 1) % p) for s in range(p)], [(s, (s - 1) % p) for s in range(p)]
-
-
-def _take(buffer, slot):
-    """Slot `slot` (-1: any) of every leaf of a slot-major buffer."""
-    slot = jnp.maximum(slot, 0)
-    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, False), buffer)
-
-
-def _put(pred, buffer, slot, value, axis: int = 0):
-    """`value` into slot `slot` of every leaf of `buffer` if `pred` (and the slot is >= 0)."""
-    return jax.tree.map(lambda b, a: store_if(pred & (slot >= 0), b, jnp.maximum(slot, 0), a,
-                                              axis), buffer, value)
-
-
-def _feed(x_in, feed, put):
-    """The input belt after this stage put its input slot `put` (>= 0) on it."""
-    mine = jax.lax.dynamic_index_in_dim(x_in, jnp.maximum(put, 0), 1, keepdims=False)
-    return select(put >= 0, mine, feed)
+from .executor import Executor, zero_grads
+from .state import Placement, State, feed_belt, put, rings, take
+from .table import END, FORWARD, OP, Table
+from .worker import Worker, consts_of, stage_results
 
 
 def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, active=None,
@@ -105,15 +83,15 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
         def tick(carry, t):
             inbox, feed, ret, out = carry
             op, end = dict(zip(OP, ops[t, s])), dict(zip(END, ends[t, s]))
-            feed = _feed(x_in, feed, end["put"])
-            x = select(op["x_at"] < 0, feed, _take(inbox, op["x_at"]))
+            feed = feed_belt(x_in, feed, end["put"])
+            x = select(op["x_at"] < 0, feed, take(inbox, op["x_at"]))
             c = jnp.maximum(op["chunk"], 0)
             y = run_stage(chunks, x, c, consts_of(consts, segments, op["mb"]))
             # the last virtual stage's output goes on the belt back to the stage keeping it
             ret = select((op["kind"] == FORWARD) & (s == p - 1) & (c == v - 1), y, ret)
-            out = _put(True, out, end["keep"], ret, axis=1)
+            out = put(True, out, end["keep"], ret, axis=1)
             feed, ret = jax.lax.ppermute(jnp.stack([feed, ret]), axis, back)
-            inbox = _put(True, inbox, end["x_to"], jax.lax.ppermute(y, axis, ahead))
+            inbox = put(True, inbox, end["x_to"], jax.lax.ppermute(y, axis, ahead))
             return (inbox, feed, ret, out), None
 
         x0 = x_in[:, 0]
@@ -132,49 +110,6 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
         out_specs=buffer, axis_names=manual)(chunks, x_in, consts, ids)
 
 
-class Inboxes(NamedTuple):
-    x: jax.Array  # [x slots, mb, T, D]: activations waiting for their forward
-    ct: jax.Array  # [ct slots, mb, T, D]: cotangents waiting for their backward
-
-
-class Stash(NamedTuple):
-    residuals: list  # [stash slots, layers per chunk, ...] leaves (stage remat: the input)
-    inputs: object  # split: the projections' inputs, waiting for W ({} otherwise)
-    taps: object  # split: the projections' output cotangents, waiting for W
-
-
-class Belts(NamedTuple):
-    feed: jax.Array  # the input belt, one stage back per slot
-    give: jax.Array  # the input gradients' belt, one stage ahead per slot
-    kept: jax.Array  # [mb, n, T, D]: the input gradients of the microbatches this stage fed
-
-
-class Sums(NamedTuple):
-    grads: object  # the stage's layers' gradients, fp32
-    head: object  # the head's
-    total: jax.Array  # the summed loss
-
-
-class State(NamedTuple):
-    inbox: Inboxes
-    stash: Stash
-    belts: Belts
-    sums: Sums
-
-
-class Done(NamedTuple):
-    """What one operation hands back, a slot's worth (zeros where it has nothing)."""
-    y: jax.Array  # sent ahead
-    dx: jax.Array  # sent back
-    residuals: list
-    inputs: object
-    taps: object
-    grads: object
-    head: object
-    total: jax.Array
-    dy: jax.Array  # the loss's gradient (the last virtual stage)
-
-
 def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, layer, loss,
           active, batch_axis, seq_axis, stage_remat, scan=True, split=None, segments=None):
     """(summed loss, (block grads, head grads, input grads)) by a lockstep or switch table.
@@ -187,11 +122,9 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     tapped ops (`ops.split`), which a switch table's B and W need."""
     p, v = table.stages, table.repeats
     depth = jax.tree.leaves(blocks)[0].shape[0] // (p * v)  # layers per chunk
-    ahead, back = rings(p)
     on = None if active is None else jnp.asarray(np.asarray(active).reshape(p, v * depth))
-    manual = _flat(axis, batch_axis, seq_axis)
-    others = tuple(a for a in manual if a != axis)
-    cut = table.mode == "switch"  # the backward split into B and W
+    where = Placement(table, axis, _flat(axis, batch_axis, seq_axis), depth, stage_remat)
+    manual = where.manual
     ops, ends = jnp.asarray(table.ops), jnp.asarray(table.ends)
 
     def per_stage(stack, head, x_in, labels, consts, segments):
@@ -201,160 +134,19 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
         # the stage axis, and the experts' where they are split over it
         own = jax.tree.map(lambda a: varying(jax.typeof(a)) | {axis}, stack)
         # device-varying before the loop: each slot's gradients stay local, summed once after
-        stack = jax.tree.map(lambda a: vary(a, others), stack)
+        stack = jax.tree.map(lambda a: vary(a, where.others), stack)
         head = jax.tree.map(lambda a: vary(a, manual), head)
         x0 = x_in[:, 0]
         worker = Worker(stack, consts_of(consts, segments, 0), layer, depth, on, s, manual,
-                        split if cut else None, unroll() or not scan)
-        layout = worker.prepare(x0, cut)
-
-        def zeros(shapes, vma=None):  # a buffer of stash slots per value, varying as it does
-            vma = vma or [frozenset(manual)] * len(jax.tree.leaves(shapes))
-            leaves, tree = jax.tree.flatten(shapes)
-            return tree.unflatten([vary(jnp.zeros((table.stash_slots,) + r.shape, r.dtype),
-                                        set(a) | {axis}) for r, a in zip(leaves, vma)])
-
-        # what a pass stashes: its input alone under stage remat (the backward redoes the
-        # forward), else its layers' residuals; split, also what its W waits for
-        if stage_remat:
-            residuals = zeros([jax.ShapeDtypeStruct(x0.shape, x0.dtype)],
-                              [varying(jax.typeof(x0))])
-        else:
-            residuals = zeros([jax.ShapeDtypeStruct((depth,) + r.shape, r.dtype)
-                               for r in layout.shapes], layout.vma)
-        inputs = taps = {}
-        if cut:
-            inputs = zeros(jax.eval_shape(lambda x: worker.forward(x, 0, True)[2], x0))
-            taps = zeros(jax.tree.map(lambda z: jax.ShapeDtypeStruct((depth,) + z.shape, z.dtype),
-                                      worker.zeros))
-
-        def grad_zeros():
-            return jax.tree.map(lambda a: vary(jnp.zeros_like(a, jnp.float32), manual), stack)
-
-        small = (jnp.zeros((table.x_slots,) + x0.shape, x0.dtype),
-                 jnp.zeros((table.ct_slots,) + x0.shape, x0.dtype), x0, x0, jnp.zeros_like(x_in),
-                 jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(x0, jnp.float32, shape=()))
-        box_x, box_ct, feed, give, kept, head0, total0 = jax.tree.map(
-            lambda a: vary(a, manual), small)
-        state = State(Inboxes(box_x, box_ct), Stash(residuals, inputs, taps),
-                      Belts(feed, give, kept), Sums(grad_zeros(), head0, total0))
-
-        def nothing(buffer):  # zeros shaped (and varying) as one slot of `buffer`
-            return jax.tree.map(lambda b: jnp.zeros_like(b[0]), buffer)
-
-        like = dict(y=box_x, dx=box_x, residuals=residuals, inputs=inputs, taps=taps, dy=box_x)
-
-        def done(**given) -> Done:
-            """An operation's results, each varying as the buffer it goes to (a constant
-            residual, as the gathered attention's key positions, is invariant); shaped by the
-            buffers before the loop, never by a carried one."""
-            out = {}
-            for name, buffer in like.items():
-                value = given.get(name)
-                out[name] = nothing(buffer) if value is None else jax.tree.map(
-                    lambda a, b: vary(a, varying(jax.typeof(b))), value, nothing(buffer))
-            return Done(grads=given.get("grads", grad_zeros()),
-                        head=given.get("head", jax.tree.map(jnp.zeros_like, head0)),
-                        total=given.get("total", jnp.zeros_like(total0)), **out)
-
-        # the operations: each sees one slot of each buffer (read before it) and hands back
-        # one slot's worth (written after it), so that no buffer passes through a switch
-        # (XLA:CPU copies every buffer a conditional inside a loop updates in place)
-        def op_forward(op, x, ct, held, head_on=True):
-            y, res, ins = worker.forward(x, op["c"], cut, consts_of(consts, segments, op["mb"]))
-            if not head_on:
-                return done(y=y, residuals=[x] if stage_remat else res)
-            total, dy, d_head = head_grads(loss, head, labels, y, op["mb"],
-                                           (op["kind"] == FORWARD) & (op["dy_to"] >= 0), manual)
-            return done(y=y, residuals=[x] if stage_remat else res,
-                        inputs=None if stage_remat else ins, head=d_head, total=total, dy=dy)
-
-        def op_backward(op, x, ct, held, grads=None):
-            residuals, inputs = held[0], None
-            known = consts_of(consts, segments, op["mb"])
-            if stage_remat:  # the forward again, from the chunk's input
-                _, residuals, inputs = worker.forward(residuals[0], op["c"], cut, known)
-            dx, d_taps, grads = worker.backward(ct, residuals, op["c"],
-                                                grad_zeros() if grads is None else grads, cut,
-                                                known)
-            return done(dx=dx, inputs=inputs, taps=d_taps, grads=grads)
-
-        def op_weight(op, x, ct, held):
-            return done(grads=worker.weight(held[1], held[2], op["c"], grad_zeros()))
-
-        def op_idle(op, x, ct, held):
-            return done()
-
-        def lane(state, op, feed, lane_index, head_on):
-            """One lane's operation: a lockstep lane computes whatever its kind (a bubble
-            forward stores nothing, a bubble backward gets a zero cotangent), a switch runs
-            only the stage's own."""
-            kinds = table.lane_kinds(lane_index)
-            x = select(op["x_at"] < 0, feed, _take(state.inbox.x, op["x_at"]))
-            ct = _take(state.inbox.ct, op["ct_at"])
-            held = tuple(_take(buffer, op["stash"]) for buffer in state.stash)
-            if cut:
-                branch = jnp.asarray([kinds.index(k) if k in kinds else 0 for k in range(5)])
-                fns = {IDLE: op_idle, FORWARD: op_forward, BACKWARD: op_backward,
-                       WEIGHT: op_weight}
-                return jax.lax.switch(branch[op["kind"]], [fns[k] for k in kinds], op, x, ct, held)
-            if FORWARD in kinds:
-                return op_forward(op, x, ct, held, head_on)
-            ct = select(op["kind"] == FULL, ct, jnp.zeros_like(ct))
-            return op_backward(op, x, ct, held, grads=state.sums.grads)
-
-        def slot(state, t, lanes_on, head_on):
-            end = dict(zip(END, ends[t, s]))
-            feed = _feed(x_in, state.belts.feed, end["put"])
-            give, y, dx = state.belts.give, None, None
-            for k, on_ in enumerate(lanes_on):
-                if not on_:
-                    continue
-                kinds = table.lane_kinds(k)
-                op = dict(zip(OP, ops[t, s, k]))
-                op["c"] = jnp.maximum(op["chunk"], 0)
-                out = lane(state, op, feed, k, head_on)
-                kind, at = op["kind"], op["stash"]
-                inbox, stash, sums = state.inbox, state.stash, state.sums
-                if FORWARD in kinds:
-                    y = out.y
-                    stash = stash._replace(residuals=_put(kind == FORWARD, stash.residuals, at,
-                                                          out.residuals))
-                    if head_on:  # the loss's gradient, for this pass's backward
-                        inbox = inbox._replace(ct=_put(kind == FORWARD, inbox.ct, op["dy_to"],
-                                                       out.dy))
-                        sums = sums._replace(head=jax.tree.map(jnp.add, sums.head, out.head),
-                                             total=sums.total + out.total)
-                if cut:  # what W waits for
-                    stash = stash._replace(
-                        inputs=_put(kind == (BACKWARD if stage_remat else FORWARD),
-                                    stash.inputs, at, out.inputs),
-                        taps=_put(kind == BACKWARD, stash.taps, at, out.taps))
-                if FULL in kinds:  # added in place by the backward
-                    sums = sums._replace(grads=out.grads)
-                elif cut:
-                    sums = sums._replace(grads=jax.tree.map(jnp.add, sums.grads, out.grads))
-                if {BACKWARD, FULL} & set(kinds):
-                    dx = out.dx
-                    # stage 0's first chunk's backward gave microbatch i's input gradient:
-                    # onto the belt to its stage
-                    give = select((s == 0) & ((kind == BACKWARD) | (kind == FULL))
-                                  & (op["chunk"] == 0), dx, give)
-                state = state._replace(inbox=inbox, stash=stash, sums=sums)
-            inbox = state.inbox
-            if y is not None:
-                inbox = inbox._replace(x=_put(True, inbox.x, end["x_to"],
-                                              jax.lax.ppermute(y, axis, ahead)))
-                feed = jax.lax.ppermute(feed, axis, back)
-            if dx is not None:
-                inbox = inbox._replace(ct=_put(True, inbox.ct, end["ct_to"],
-                                               jax.lax.ppermute(dx, axis, back)))
-            kept = _put(True, state.belts.kept, end["keep"], give, axis=1)
-            belts = Belts(feed, jax.lax.ppermute(give, axis, ahead), kept)
-            return state._replace(inbox=inbox, belts=belts), None
-
+                        split if where.cut else None, unroll() or not scan)
+        layout = worker.prepare(x0, where.cut)
+        state = State.initial(where, worker, layout, x0, x_in, head,
+                              partial(zero_grads, stack, manual))
+        run = Executor(where, s, worker, loss, head, x_in, labels, consts, segments, stack,
+                       state, ops, ends)
         for begin, stop, lanes_on, head_on in table.phases():
-            state = jax.lax.scan(partial(slot, lanes_on=lanes_on, head_on=head_on or cut),
+            state = jax.lax.scan(partial(run.slot, lanes_on=lanes_on,
+                                         head_on=head_on or where.cut),
                                  state, jnp.arange(begin, stop), unroll=unroll())[0]
         return stage_results(*state.sums, state.belts.kept, manual, axis, own)
 
