@@ -53,6 +53,14 @@ class Fp8State(Untrained):
     """A projection's scaling state: its tensors' amax histories ([.., 3, fp8_history], the
     newest first), or the zero probe whose gradient is the step's amax histograms."""
 
+    @classmethod
+    def advance(cls, old, observed, scale, plan):
+        """The histories one step on: the step's amax (its histogram's top bin, a max over
+        every use) first; the probe stays zero."""
+        rolled = jnp.roll(old["history"], 1, axis=-1)
+        return ({"history": rolled.at[..., 0].set(amax_of(observed["probe"])),
+                 "probe": old["probe"]}, {})
+
 
 class Fp8Meta(nnx.Module):
     """The scaling state of a module's projections, in `PROJECTIONS` order: `history`
@@ -170,31 +178,3 @@ def einsum(spec: str, x, w, state: Fp8Meta, i: int):
     y = jnp.einsum(spec, _forward_qdq(x, s[0], probe(0, x), emulate),
                    _forward_qdq(w, s[1], probe(1, w), emulate))
     return _backward_qdq(y, s[2], probe(2, y), emulate)
-
-
-# ---------------------------------------------------------------------------------------------
-# the step's side: the histories advanced by the step's histograms
-
-def _is_meta(path) -> bool:
-    return len(path) >= 2 and getattr(path[-2], "key", None) == "fp8"
-
-
-def advance(params, grads, old):
-    """`params` with each `history` leaf of an `Fp8Meta` advanced from `old`'s by one step:
-    the newest amax, from its probe's gradient in `grads`, first; the probes stay zero."""
-    def step(path, new, g):
-        if not _is_meta(path) or getattr(path[-1], "key", None) != "history":
-            return new
-        probe_grad = _at(grads, path[:-1])["probe"][...]
-        hist = _at(old, path[:-1])["history"][...]
-        rolled = jnp.roll(hist, 1, axis=-1)
-        return new.replace(rolled.at[..., 0].set(amax_of(probe_grad)))
-
-    return jax.tree.map_with_path(step, params, grads,
-                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k.key]
-    return tree

@@ -294,12 +294,15 @@ class RouterState(Untrained):
     probe, a zero whose gradient is the layer's routing statistics (`balanced`). Both are kept
     in checkpoints like the weights."""
 
-
-def stats_of(grads):
-    """Per-layer statistics [L, E + 3] in storage order: the probe's gradient (`balanced`),
-    already divided by the step's tokens: each expert's assignments per token, the balancing
-    loss, the z-loss and the dropped assignments per token."""
-    return grads["blocks"]["mlp"]["probe"][...]
+    @classmethod
+    def advance(cls, old, observed, scale, plan):
+        """The step's routing metrics from the statistics (the probe's gradient divided by the
+        step's tokens: [L, E + 3] per layer, in storage order), and the bias moved by its
+        rule; the probe stays zero."""
+        stats = observed["probe"] * scale
+        rate = plan.cfg.model.router_bias_rate
+        return ({"bias": update_bias(old["bias"], stats, rate), "probe": old["probe"]},
+                step_metrics(stats, plan.active))
 
 
 def step_metrics(stats_ls, active=None) -> dict:

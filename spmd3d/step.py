@@ -22,15 +22,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, fp8, moe, pipeline
+from . import attention, pipeline
 from . import ops as ops_lib
 from .ops import Ops
 from .pipeline import run as pipelined
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import (activation_rules, constrain, mesh_axes, shardings_for, untrained_zeroed,
-                       use_param)
+from .sharding import (activation_rules, advance_untrained, constrain, mesh_axes,
+                       shardings_for, untrained_zeroed, use_param)
 
 
 class TrainState(NamedTuple):
@@ -353,8 +353,8 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState, with_grads: boo
         # division, which then has no reader but the optimizer's fused update (read by the norm
         # as well, the divided gradients were a buffer of their own)
         loss, observed, grad_scale = grads_and_loss(state.params, tokens)
-        # the untrained state's gradients are statistics: the router's, FP8's amaxes
-        stats = moe.stats_of(observed) * grad_scale if cfg.model.is_moe else None
+        # the untrained state's gradients are statistics (the router's, FP8's amaxes): its
+        # own types advance it below
         grads = untrained_zeroed(observed)
         grad_norm = optax.tree.norm(grads) * grad_scale
         grads = jax.tree.map(lambda g: g * grad_scale, grads)
@@ -366,14 +366,9 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState, with_grads: boo
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
         if with_grads:
             metrics["grads"] = jax.tree.map(lambda g: g * grad_scale, observed)
-        if stats is not None:  # the router's state: statistics out, the bias by its own rule
-            metrics.update(moe.step_metrics(stats, plan.active))
-            bias = state.params["blocks"]["mlp"]["bias"]
-            params["blocks"]["mlp"]["bias"] = bias.replace(
-                moe.update_bias(bias[...], stats, cfg.model.router_bias_rate))
-            params["blocks"]["mlp"]["probe"] = state.params["blocks"]["mlp"]["probe"]
-        if cfg.model.fp8 != "off":
-            params = fp8.advance(params, observed, state.params)
+        params, observed_metrics = advance_untrained(params, observed, state.params,
+                                                     grad_scale, plan)
+        metrics.update(observed_metrics)
         return TrainState(state.step + 1, params, opt), metrics
 
     return jax.jit(train_step, in_shardings=(shardings, plan.batch_sharding),

@@ -103,6 +103,13 @@ def test_the_model_does_not_run_the_pipeline():
     assert not [m for m in below if m.split(".")[0] == "pipeline"], below
 
 
+def test_the_step_names_no_feature_of_the_model():
+    """The train step advances the state the optimizer does not train through that state's own
+    type (`sharding.advance_untrained`: the router's bias, FP8's histories): it imports
+    neither the MoE layer nor FP8."""
+    assert not {"moe", "fp8"} & GRAPH["step"], GRAPH["step"]
+
+
 def clean_env():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT)
