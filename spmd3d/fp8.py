@@ -7,8 +7,9 @@ the matmul (quantize -> dequantize -> dot: the pattern XLA's GPU compiler rewrit
 cuBLASLt FP8 GEMM on Hopper). `model.fp8_emulate` keeps the casts and scales and runs the GEMMs
 in the compute dtype on any device: the dequantized operands pass an optimization barrier,
 which the rewrite cannot see through (on a Hopper GPU, FP8's rounding without FP8's GEMMs:
-what separates the two when a loss curve differs; elsewhere, what runs at all). Attention's own products, the norms, the router,
-the experts, the head and the loss stay in the compute dtype.
+what separates the two when a loss curve differs; elsewhere, what runs at all). Attention's
+own products, the norms, the router, the experts, the head and the loss stay in the compute
+dtype.
 
 **Delayed scaling.** A tensor's scale at step t comes from the largest absolute value (amax)
 it had over the previous `model.fp8_history` steps: scale = amax * 2^margin / fp8 max (1 with

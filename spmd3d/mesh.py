@@ -57,11 +57,6 @@ class Degrees:
         return self.replicas * self.expert
 
     @property
-    def token_split(self) -> int:
-        """Devices that split a step's tokens among them: the batch's, times `seq`."""
-        return self.batch * self.seq
-
-    @property
     def devices(self) -> int:
         return self.batch * self.stage * self.tensor * self.seq
 
@@ -71,6 +66,8 @@ class Degrees:
         if self.expert > 1:
             sizes[EXPERT] = self.expert
         return {a: sizes[a] for a in axis_names(sizes)}
+
+
 MESH_DIR = Path(__file__).resolve().parent / "meshes"  # top-level meshes/ links here
 
 

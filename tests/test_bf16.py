@@ -86,8 +86,8 @@ def moe_reference():
 
 
 def reducer_dtypes(job):
-    """The element type of every all-reduce's and reduce-scatter's reducer in the lowered step (before XLA's
-    passes: what XLA:CPU's all-reduce promotion sees)."""
+    """The element type of every all-reduce's and reduce-scatter's reducer in the lowered step
+    (before XLA's passes: what XLA:CPU's all-reduce promotion sees)."""
     t = job.cfg.train
     batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
                                  sharding=job.plan.batch_sharding)

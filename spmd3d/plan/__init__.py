@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-
 from .. import grouped
 from ..attention import choose, fallback
 from ..config import Config, ConfigError, compute_dtype, resolve_mesh
