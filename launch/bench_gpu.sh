@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One GPU's numbers: throughput, MFU and per-device memory of the one-GPU presets (LLaMA-3.2-1B
-# and -3B shapes) in bf16 and with FP8 projections, the fused attention against the blocked
-# one (and both with packed documents, beside the Pallas kernel that takes their ids), an MoE
-# step (MFU by active parameters) and its grouped matmul against a dense one, a profile's top
-# ops, and the planner calibrated on the 1B run then asked to predict the 3B one; with several
-# GPUs, the pipeline schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other.
+# One GPU's numbers, most important first: the experts' grouped-matmul kernels alone (each
+# candidate's TFLOP/s and error), MoE steps coarse and fine-grained (MFU by active parameters,
+# a profile's top ops) against their dense models, the one-GPU presets (LLaMA-3.2-1B and -3B
+# shapes) in bf16 and with FP8 projections, the fused attention against the blocked one (and
+# both with packed documents, beside the Pallas kernel that takes their ids), and the planner
+# calibrated on the 1B run then asked to predict the 3B one; with several GPUs, the pipeline
+# schedules (GPipe, 1F1B, ZB-H1, interleaved 1F1B) against each other. About 8 minutes on one
+# H200 (each row bounded by BENCH_TIMEOUT seconds, default 150).
 #
 #   launch/bench_gpu.sh [OUTDIR]       (default runs/bench_gpu; PYTHON=... to pick the interpreter)
+#   BENCH_SMALL=1 launch/bench_gpu.sh  (every row at toy widths: checks the script on a CPU)
 #
 # Runs from a checkout without installing it (PYTHONPATH), so a machine that already has jax with
 # its CUDA plugin, flax, optax and orbax needs nothing else. Each record is OUTDIR/NAME.json (the
@@ -24,33 +27,58 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --f
 bench() {  # NAME CONFIG [args...]: one bench run, bounded, its record and log under $out
   local name=$1; shift
   local t0=$SECONDS
-  timeout "${BENCH_TIMEOUT:-300}" "$py" -m spmd3d.bench "$@" --json > "$out/$name.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-150}" "$py" -m spmd3d.bench "$@" "${small[@]}" --json > "$out/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
   tail -n 1 "$out/$name.log" > "$out/$name.json"
   grep -E "^  (step time|throughput|memory/dev|peak in use|compile|attention|documents|experts|collectives|fp8)" \
     "$out/$name.log" || tail -n 5 "$out/$name.log"
 }
+# BENCH_SMALL=1: every row at toy widths on whatever devices there are (FP8 emulated), to check
+# the script on a CPU before GPU minutes go to it
+small=()
+if [ -n "${BENCH_SMALL:-}" ]; then
+  small=(model.d_model=128 model.num_heads=4 model.num_kv_heads=2 model.d_ff=256 model.vocab_size=512
+         train.seq_len=128 train.global_batch=2 model.fp8_emulate=true parallel.loss_chunk=64)
+fi
+t_start=$SECONDS
 
-bench gpu_1b configs/gpu_1b.yaml --steps=10 --attention --profile="$out/trace_1b"
-bench gpu_3b configs/gpu_3b.yaml --steps=10
-# FP8 projections (delayed scaling) beside the bf16 rows above: tokens/s, MFU against the
-# float8 peak, and the FP8 GEMMs XLA made of the projections
-bench gpu_1b_fp8 configs/gpu_1b.yaml --steps=10 model.fp8=delayed
-bench gpu_3b_fp8 configs/gpu_3b.yaml --steps=10 model.fp8=delayed
-# emulated: the same casts and scales, the GEMMs kept in bf16 (0 FP8 GEMMs)
-bench gpu_1b_fp8_emulated configs/gpu_1b.yaml --steps=10 model.fp8=delayed model.fp8_emulate=true
+# The rows in the order they matter, so that a short GPU window measures the first ones.
+# 1. The experts' grouped-matmul kernels alone, at the MoE rows' shapes: each kernel of the
+#    forward, the input's gradient and the weights' gradient, its TFLOP/s and its error
+#    against XLA in fp32 (`python -m spmd3d.microbench`; `--small` on a CPU)
+echo "== grouped-matmul kernels"
+timeout "${KERNELS_TIMEOUT:-150}" "$py" -m spmd3d.microbench ${BENCH_SMALL:+--small} \
+  --budget=100 --json="$out/kernels.json" 2>&1 | tee "$out/kernels.log" | grep -v "^WARNING"
 
-# Mixture-of-Experts on the 1B shape cut to 8 layers: 8 experts of half the MLP's width, top-2
-# (the dense MLP's active FLOPs), beside the dense model of those 8 layers; the experts' kernel
-# as the plan picks it (tokamax when importable: put it and its dependencies on PYTHONPATH, as
-# the machine may have no package index), then forced to jax's ragged_dot and to capacity
-# buffers. `--experts`: the grouped matmul's TFLOP/s against a dense matmul of the same FLOPs.
+# 2. Mixture-of-Experts on the 1B shape cut to 8 layers: 8 experts of half the MLP's width,
+#    top-2 (the dense MLP's active FLOPs), as the plan picks its kernels (tokamax's forward
+#    and input gradient when importable -- put it and its dependencies on PYTHONPATH, as the
+#    machine may have no package index -- and our weight gradient, tgmm.py); `--experts`: the
+#    grouped matmul's TFLOP/s against a dense matmul of the same FLOPs. Fine-grained: Qwen3-
+#    30B-A3B's experts (128 of 768, top-8) in 4 layers of the 1B's attention.
 moe=(model.num_layers=8 model.num_experts=8 model.experts_per_token=2 model.d_ff_expert=4096)
-bench moe_dense configs/gpu_1b.yaml --steps=10 model.num_layers=8
-bench moe configs/gpu_1b.yaml --steps=10 --experts "${moe[@]}"
-bench moe_ragged configs/gpu_1b.yaml --steps=10 --experts "${moe[@]}" model.expert_kernel=ragged
-bench moe_capacity configs/gpu_1b.yaml --steps=10 --experts "${moe[@]}" model.capacity_factor=1.25
-rm -rf "$out/trace_1b"  # the summary is in the record; the trace itself is large
+fine=(model.num_layers=4 model.num_experts=128 model.experts_per_token=8 model.d_ff_expert=768)
+[ -n "${BENCH_SMALL:-}" ] && moe+=(model.d_ff_expert=128) && fine+=(model.d_ff_expert=32)
+bench moe configs/gpu_1b.yaml --steps=6 --experts --profile="$out/trace_moe" "${moe[@]}"
+rm -rf "$out/trace_moe"  # the summary is in the record; the trace itself is large
+# 3. FP8 projections (delayed scaling) against bf16 at 3B and 1B: tokens/s, MFU against the
+#    float8 peak, and the FP8 GEMMs XLA made of the projections
+bench gpu_3b configs/gpu_3b.yaml --steps=6
+bench gpu_3b_fp8 configs/gpu_3b.yaml --steps=6 model.fp8=delayed
+bench moe_fine configs/gpu_1b.yaml --steps=6 "${fine[@]}"
+bench gpu_1b configs/gpu_1b.yaml --steps=6
+bench gpu_1b_fp8 configs/gpu_1b.yaml --steps=6 model.fp8=delayed
+# 4. The baselines of the MoE rows: XLA's weight gradient, the dense model of those layers,
+#    the capacity path, jax's ragged_dot throughout; the packed-document attention row
+bench moe_xla_dw configs/gpu_1b.yaml --steps=6 "${moe[@]}" model.expert_weight_grad=xla
+bench moe_dense configs/gpu_1b.yaml --steps=6 model.num_layers=8
+bench moe_capacity configs/gpu_1b.yaml --steps=6 "${moe[@]}" model.capacity_factor=1.25
+bench moe_fine_xla_dw configs/gpu_1b.yaml --steps=6 "${fine[@]}" model.expert_weight_grad=xla
+bench moe_fine_dense configs/gpu_1b.yaml --steps=6 model.num_layers=4
+bench attention configs/gpu_1b.yaml --steps=2 --attention model.num_layers=2
+bench gpu_1b_fp8_emulated configs/gpu_1b.yaml --steps=6 model.fp8=delayed model.fp8_emulate=true
+bench moe_ragged configs/gpu_1b.yaml --steps=6 "${moe[@]}" model.expert_kernel=ragged
+echo "== single-GPU rows done in $((SECONDS - t_start)) s"
 
 # With two or more GPUs: the pipeline schedules against each other on the 1B preset, one stage
 # per GPU (up to 8), m = 4p microbatches of one sequence each
@@ -66,6 +94,7 @@ fi
 
 for name in gpu_1b gpu_3b; do
   echo "== plan $name, calibrated on gpu_1b"
-  "$py" -m spmd3d.plan "configs/$name.yaml" --calibrate="$out/gpu_1b.json" > "$out/plan_$name.txt" 2>&1
+  "$py" -m spmd3d.plan "configs/$name.yaml" --calibrate="$out/gpu_1b.json" > "$out/plan_$name.txt" 2>&1 \
+    || { echo "(no gpu_1b record to calibrate with)"; continue; }
   cat "$out/plan_$name.txt"
 done

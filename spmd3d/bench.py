@@ -280,7 +280,9 @@ def format_report(r: dict) -> str:
                      f"max |blocked|: {', '.join(f'{k} {v:.1e}' for k, v in d['error'].items())}")
     if "experts" in r:
         x = r["experts"]
-        lines.append(f"  experts     grouped matmul ({x['kernel']}) {x['grouped_tflops']:.1f} "
+        dw = x.get("weight_grad")
+        how = x["kernel"] + (f", weight gradient {dw}" if dw else "")
+        lines.append(f"  experts     grouped matmul ({how}) {x['grouped_tflops']:.1f} "
                      f"TFLOP/s vs dense {x['dense_tflops']:.1f}, forward + backward, {x['dtype']}, "
                      f"{x['rows']} rows over {x['experts']} experts of {x['d']} x {x['f']}; "
                      f"max |grouped - loop| / max |loop| {x['error']:.1e}")

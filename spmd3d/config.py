@@ -18,10 +18,10 @@ from pathlib import Path
 
 import yaml
 
-from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS, FP8_RECIPES,  # noqa: F401
-                     PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, CheckpointConfig,
-                     Config, ConfigError, DataConfig, DataError, DistConfig, MeshConfig,
-                     ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS, EXPERT_WEIGHT_GRADS,  # noqa: F401
+                     FP8_RECIPES, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS,
+                     CheckpointConfig, Config, ConfigError, DataConfig, DataError, DistConfig,
+                     MeshConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
                      compute_dtype, doc, parse_mixture, parse_xla_flags)
 
 
@@ -342,6 +342,8 @@ def _validate_moe(m, mesh) -> None:
               (", dropless)" if name == "capacity_factor" else ")"))
     _need(m.expert_kernel in EXPERT_KERNELS, "model.expert_kernel",
           f"must be one of {', '.join(EXPERT_KERNELS)}")
+    _need(m.expert_weight_grad in EXPERT_WEIGHT_GRADS, "model.expert_weight_grad",
+          f"must be one of {', '.join(EXPERT_WEIGHT_GRADS)}")
     _divides("model.num_experts", m.num_experts, mesh.expert, "mesh.expert")
     _divides("model.d_ff_expert", m.expert_width, mesh.tensor, "mesh.tensor")
     if mesh.data > 0:

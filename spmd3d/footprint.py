@@ -155,9 +155,9 @@ def format_report(r: dict) -> list[str]:
     if r["compiled_dtype"] != r["dtype"]:
         lines.append(f"  {r['dtype']} compiled as {r['compiled_dtype']}, a 2-byte stand-in "
                      "(XLA:CPU would compute bf16 in fp32 and inflate the temporaries)")
-    if r.get("experts") == "tokamax":
-        lines.append("  the experts' tokamax kernels compiled as a stand-in with their buffers "
-                     "and FLOPs (XLA:CPU cannot lower them)")
+    if r.get("experts") in ("tokamax", "mosaic"):
+        lines.append(f"  the experts' {r['experts']} kernels compiled as a stand-in with their "
+                     "buffers and FLOPs (XLA:CPU cannot lower them)")
     if r.get("scanned_for_compile"):
         lines.append("  layers compiled scanned, not unrolled: XLA:CPU schedules unrolled layers "
                      "with no regard to memory (a GPU's compiler does)")

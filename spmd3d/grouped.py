@@ -1,22 +1,26 @@
 """The experts' grouped matmul and which implementation runs it, chosen once in the plan.
 
 `y[M, F] = x[M, D] @ w[g(m), D, F]` for rows sorted by group, `sizes[G]` rows per group, rows past
-the groups giving zero (`jax.lax.ragged_dot`'s contract). The kernels (`Plan.experts`, stated in a
-run's first lines):
+the groups giving zero (`jax.lax.ragged_dot`'s contract). Its backward is two more dots: the
+input's gradient (a grouped matmul again) and the weights' (each group's rows contracted). The
+kernels (`Plan.experts`, stated in a run's first lines with the weights' gradient):
 
 * `ragged`: `jax.lax.ragged_dot`. On a CPU (exact; XLA:CPU computes each group as a dense
   matmul over all the rows, masked), or when asked.
-* `tokamax`: `tokamax.ragged_dot`, Pallas Mosaic GPU kernels on Hopper, Triton ones before it,
-  for the forward and the input's gradient; XLA's for the weights' (`_tokamax` says why). On a
-  GPU when tokamax is installed (`pip install spmd3d[gpu]`).
+* `mosaic`: jax's own Pallas Mosaic GPU kernel (`ragged_dot_mgpu`, Hopper's wgmma) for the
+  forward and the input's gradient: on a Hopper GPU in a 2-byte dtype (nothing to install).
+* `tokamax`: `tokamax.ragged_dot` (Triton kernels before Hopper) for the forward and the
+  input's gradient: on other GPUs when tokamax is installed (`pip install spmd3d[gpu]`).
 * `capacity`: no grouped matmul; fixed [capacity, D] buffers per expert and batched matmuls
   (`moe.capacity_ffn`). Whenever `model.capacity_factor` > 0.
 
-On a GPU, jax 0.10 lowers `ragged_dot` to a zero-padded dense matmul (XLA's own notes say so;
-about 2 % of a grouped GEMM's speed was measured on a B200), hence tokamax there, and a one-line
-warning where the plan has to fall back to `ragged`.
+The weights' gradient (`model.expert_weight_grad`) is ours on a GPU (`tgmm.py`, Pallas-Triton),
+XLA's elsewhere; tokamax's own was measured wrong and is never asked (`_weight_grad`). On an
+H200 (docs/moe.md) the forward and input gradient ran at 443 TFLOP/s (mosaic), 324 (tokamax)
+and 97 (XLA), the weights' gradient at 523 (ours) and 81 (XLA): XLA lowers `ragged_dot` on a
+GPU to a zero-padded dense matmul, whose padded copy also costs memory.
 
-`plan --compile` compiles a GPU plan on CPU devices, which cannot lower tokamax's kernels. There a
+`plan --compile` compiles a GPU plan on CPU devices, which cannot lower the GPU kernels. There a
 stand-in takes their place (`standing_in`): every row times one group's weights, which has the
 kernel's buffers and FLOPs (forward [M, F]; backward dx [M, D] and dw [G, D, F]) but not its
 arithmetic, as cuDNN attention compiles as the blocked kernel there. It cannot be chosen to train.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 
 import jax
@@ -43,28 +48,42 @@ def _tokamax_installed() -> bool:
     return _STANDIN.get() or importlib.util.find_spec("tokamax") is not None
 
 
-def choose(requested: str, *, platform: str, capacity_factor: float,
-           devices: bool = True) -> tuple[str, str]:
-    """(kernel, a warning or "") for `model.expert_kernel = requested` on `platform`; `devices`
-    False: a plan without devices, which assumes a GPU has tokamax. An explicit `tokamax` that
-    is not installed raises ConfigError naming the field."""
+def choose(requested: str, *, platform: str, capacity_factor: float, devices: bool = True,
+           capability: float = 0.0, dtype: str = "bfloat16") -> tuple[str, str]:
+    """(kernel, a warning or "") for `model.expert_kernel = requested` on `platform` (a GPU's
+    compute `capability`), computing in `dtype`; `devices` False: a plan without devices,
+    which assumes a GPU has tokamax. An explicit kernel that cannot run here raises
+    ConfigError naming the field."""
     if capacity_factor > 0:
         return "capacity", ""
+    mosaic = _mosaic_runs(platform, capability, dtype)
     if requested == "tokamax" and not (_tokamax_installed() or not devices):
         raise ConfigError("model.expert_kernel", "tokamax is not installed (pip install tokamax, "
                                                  "or spmd3d[gpu]); use auto or ragged")
+    if requested == "mosaic" and not (mosaic or _STANDIN.get()):
+        raise ConfigError("model.expert_kernel", f"mosaic needs a Hopper GPU (compute capability "
+                          f"9.x) and a 2-byte model.dtype (here {platform}, {capability:g}, "
+                          f"{dtype}); use auto")
     if requested != "auto":
         return requested, ""
     if platform != "gpu":
         return "ragged", ""
+    if mosaic:
+        return "mosaic", ""
     if _tokamax_installed() or not devices:
         return "tokamax", ""
     return "ragged", SLOW
 
 
+def _mosaic_runs(platform: str, capability: float, dtype: str) -> bool:
+    """jax's Mosaic GPU grouped matmul is Hopper's (wgmma), with both operands in one 2-byte
+    dtype."""
+    return platform == "gpu" and 9.0 <= capability < 10.0 and dtype in ("bfloat16", "float16")
+
+
 @contextlib.contextmanager
 def standing_in():
-    """Trace a tokamax plan's step on a CPU with the stand-in (see the module's docstring)."""
+    """Trace a GPU plan's step on a CPU with the stand-in (see the module's docstring)."""
     token = _STANDIN.set(True)
     try:
         yield
@@ -72,13 +91,26 @@ def standing_in():
         _STANDIN.reset(token)
 
 
-def matmul(kernel: str):
-    """The grouped matmul `(x[M, D], w[G, D, F], sizes[G]) -> [M, F]` of `kernel`."""
-    if kernel == "ragged":
-        return jax.lax.ragged_dot
-    if kernel != "tokamax":
+def choose_weight_grad(requested: str, *, platform: str) -> str:
+    """The weights' gradient for `model.expert_weight_grad = requested`: auto is our Pallas
+    kernel (`tgmm.py`) on a GPU, XLA's `ragged_dot_general` elsewhere."""
+    if requested != "auto":
+        return requested
+    return "pallas" if platform == "gpu" else "xla"
+
+
+def matmul(kernel: str, weight_grad: str = "xla"):
+    """The grouped matmul `(x[M, D], w[G, D, F], sizes[G]) -> [M, F]` of `kernel`, its weights'
+    gradient by `weight_grad` (`xla` or `pallas`)."""
+    if kernel not in ("ragged", "tokamax", "mosaic"):
         raise ValueError(f"no grouped matmul for kernel {kernel!r}")
-    return _shaped if _STANDIN.get() else _tokamax
+    if weight_grad not in ("xla", "pallas"):
+        raise ValueError(f"no weight gradient {weight_grad!r}")
+    if _STANDIN.get() and (kernel != "ragged" or weight_grad == "pallas"):
+        return _shaped
+    if kernel == "ragged" and weight_grad == "xla":
+        return jax.lax.ragged_dot
+    return functools.partial(_grouped, kernel, weight_grad)
 
 
 # the backward's dots: [M, F] x [G, D, F] -> [M, D] over the groups of the rows (the input's
@@ -92,36 +124,75 @@ def _in_groups(v_m, sizes_g):
     return jnp.where(jnp.arange(v_m.shape[0])[:, None] < jnp.sum(sizes_g), v_m, 0)
 
 
-@jax.custom_vjp
-def _tokamax(x_md, w_gdf, sizes_g):
-    """tokamax's kernels held to ragged_dot's contract, as measured on an H200 (jax 0.11.2,
-    tokamax 0.0.17; docs/moe.md):
-
-    * its rows past the groups are undefined, forward and in the input's gradient (up to 211
-      where ragged_dot gives 0, NaN in the gradient): zeroed here. Under expert parallelism
-      they are the other devices' assignments, and a NaN would survive their zero weight;
-    * its Hopper kernel for the weights' gradient (a dot contracting each group's rows) was
-      10-18 % off an fp32 reference in every group: that one is XLA's (0.35 %, bf16), at about
-      50 TFLOP/s against tokamax's 320 for the other two."""
+def _forward(kernel, x_md, w_gdf, sizes_g):
+    """`kernel`'s grouped matmul, held to ragged_dot's contract. tokamax's kernels, as
+    measured on an H200 (jax 0.11.2, tokamax 0.0.17; docs/moe.md): its rows past the groups
+    are undefined, forward and in the input's gradient (up to 211 where ragged_dot gives 0,
+    NaN in the gradient), so they are zeroed here: under expert parallelism they are the
+    other devices' assignments, and a NaN would survive their zero weight."""
+    if kernel == "ragged":
+        return jax.lax.ragged_dot(x_md, w_gdf, sizes_g)
+    if kernel == "mosaic":
+        return _mosaic(x_md, w_gdf, sizes_g, transpose=False)
     import tokamax
 
     return _in_groups(tokamax.ragged_dot(x_md, w_gdf, sizes_g), sizes_g)
 
 
-def _tokamax_fwd(x_md, w_gdf, sizes_g):
-    return _tokamax(x_md, w_gdf, sizes_g), (x_md, w_gdf, sizes_g)
-
-
-def _tokamax_bwd(residuals, g_mf):
+def _input_grad(kernel, g_mf, w_gdf, sizes_g):
+    if kernel == "ragged":
+        return jax.lax.ragged_dot_general(g_mf, w_gdf, sizes_g, _DX)
+    if kernel == "mosaic":
+        return _mosaic(g_mf, w_gdf, sizes_g, transpose=True)
     import tokamax
 
+    return _in_groups(tokamax.ragged_dot_general(g_mf, w_gdf, sizes_g, _DX), sizes_g)
+
+
+# jax's Pallas Mosaic GPU grouped matmul (Hopper's wgmma), at the blocks measured on an H200
+MOSAIC_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                     grid_block_n=1)
+
+
+def _mosaic(a_mk, w_g, sizes_g, transpose):
+    """jax's `ragged_dot_mgpu.ragged_dot`: `a @ w[g]`, or `a @ w[g]^T` (`transpose`, the input's
+    gradient); its rows past the groups zeroed, as tokamax's."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    y = ragged_dot_mgpu.ragged_dot(a_mk, w_g, group_sizes=sizes_g, transpose_rhs=transpose,
+                                   **MOSAIC_BLOCKS)
+    return _in_groups(y, sizes_g)
+
+
+def _weight_grad(weight_grad, x_md, g_mf, sizes_g, dtype):
+    """tokamax's Hopper kernel for this dot (`ragged_contracting_dim_dot_sm90`) was 10-18 %
+    off an fp32 reference in every group, so it is never asked: XLA's (0.35 %, bf16, about
+    50 TFLOP/s) or ours (`tgmm.py`)."""
+    if weight_grad == "xla":
+        return jax.lax.ragged_dot_general(x_md, g_mf, sizes_g, _DW,
+                                          preferred_element_type=dtype)
+    from . import tgmm
+
+    return tgmm.weight_gradient(x_md, g_mf, sizes_g, dtype=dtype, interpret=tgmm.INTERPRET)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped(kernel, weight_grad, x_md, w_gdf, sizes_g):
+    return _forward(kernel, x_md, w_gdf, sizes_g)
+
+
+def _grouped_fwd(kernel, weight_grad, x_md, w_gdf, sizes_g):
+    return _forward(kernel, x_md, w_gdf, sizes_g), (x_md, w_gdf, sizes_g)
+
+
+def _grouped_bwd(kernel, weight_grad, residuals, g_mf):
     x_md, w_gdf, sizes_g = residuals
-    dx = _in_groups(tokamax.ragged_dot_general(g_mf, w_gdf, sizes_g, _DX), sizes_g)
-    dw = jax.lax.ragged_dot_general(x_md, g_mf, sizes_g, _DW, preferred_element_type=w_gdf.dtype)
+    dx = _input_grad(kernel, g_mf, w_gdf, sizes_g)
+    dw = _weight_grad(weight_grad, x_md, g_mf, sizes_g, w_gdf.dtype)
     return dx.astype(x_md.dtype), dw, None
 
 
-_tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _dot(a, b, dtype):

@@ -110,7 +110,7 @@ def measure_experts(cfg: Config, repeats: int = 5) -> dict:
             return jnp.einsum("ecd,edf->ecf", x.reshape(e, -1, d), w).reshape(rows, f)
     else:
         def experts(x, w):
-            return grouped.matmul(kernel)(x, w, sizes)
+            return grouped.matmul(kernel, m.expert_weight_grad)(x, w, sizes)
 
     def run(fn, *args):
         def loss(*args):
@@ -130,7 +130,229 @@ def measure_experts(cfg: Config, repeats: int = 5) -> dict:
     ref = jnp.concatenate([jnp.dot(a, b) for a, b in zip(jnp.split(x, e), w)])
     a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     flops = 3 * 2 * rows * d * f  # forward, and the two gradients
-    return {"kernel": kernel, "dtype": m.dtype, "rows": rows, "experts": e, "d": d, "f": f,
+    return {"kernel": kernel, "weight_grad": "" if kernel == "capacity" else m.expert_weight_grad,
+            "dtype": m.dtype, "rows": rows, "experts": e, "d": d, "f": f,
             "grouped_s": grouped_s, "dense_s": dense_s,
             "grouped_tflops": flops / grouped_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
             "error": float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))}
+
+
+# The grouped-matmul kernels compared on one GPU (`python -m spmd3d.microbench`): the MoE
+# bench rows' shapes, (rows, D, F, experts) of one layer's gate/up and down matmuls as one
+# device runs them: coarse (1B widths, 8 experts of 4096, top-2, 16,384 tokens) and
+# fine-grained (Qwen3-30B-A3B widths: 128 experts of 768, top-8)
+SHAPES = {"coarse_gate_up": (32768, 2048, 4096, 8), "fine_gate_up": (131072, 2048, 768, 128),
+          "coarse_down": (32768, 4096, 2048, 8), "fine_down": (131072, 768, 2048, 128)}
+
+
+def _sizes(rows: int, groups: int, seed: int):
+    """Uneven group sizes as a router makes them (softmax of normal logits, one expert
+    idle), summing to `rows` less 1 % (the rows past the groups: other devices' assignments)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = np.exp(rng.normal(0, 0.5, groups))
+    p[groups // 2] = 0
+    return rng.multinomial(rows - rows // 100, p / p.sum()).astype(np.int32)
+
+
+def _timed(fn, args, repeats: int = 10) -> float:
+    """Median seconds of one call: batches of `repeats` dispatched back to back."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        out = [fn(*args) for _ in range(repeats)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / repeats)
+    return statistics.median(times)
+
+
+def grouped_candidates():
+    """{op: {name: fn(a, b, sizes)}}: each grouped-matmul kernel this machine has, for the
+    forward (`x[M, D] @ w[g, D, F]`), the input's gradient (`dy[M, F] @ w[g, D, F]^T`) and the
+    weights' (`x[rows of g]^T @ dy[rows of g]`). Kernels that need a package or a GPU that
+    is not there are left out."""
+    import functools
+    import importlib.util
+
+    import jax
+
+    from . import grouped, tgmm
+
+    dims = {"dx": grouped._DX, "dw": grouped._DW}
+    out = {"dw": {"xla": functools.partial(_general, dims=dims["dw"]),
+                  **{f"pallas {'x'.join(map(str, b))}": functools.partial(
+                      _tgmm, blocks=b, interpret=jax.default_backend() != "gpu")
+                     for b in tgmm.CANDIDATES}},
+           "fwd": {"xla": jax.lax.ragged_dot},
+           "dx": {"xla": functools.partial(_general, dims=dims["dx"])}}
+    if importlib.util.find_spec("tokamax") is not None:
+        import tokamax
+
+        for impl in ("mosaic", "triton"):
+            out["fwd"][f"tokamax {impl}"] = functools.partial(_tokamax, tokamax, impl, None)
+            for op in ("dx", "dw"):
+                out[op][f"tokamax {impl}"] = functools.partial(_tokamax, tokamax, impl, dims[op])
+        out["dw"]["tokamax mosaic, zero-initialised"] = functools.partial(
+            _tokamax, tokamax, "mosaic", dims["dw"], zero_initialize=True)
+    if jax.default_backend() == "gpu":
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+        out["fwd"]["mosaic_gpu (jax)"] = functools.partial(grouped._mosaic, transpose=False)
+        out["dx"]["mosaic_gpu (jax)"] = functools.partial(grouped._mosaic, transpose=True)
+        # it masks x's rows at the groups' edges only: rows past the groups zeroed first
+        out["dw"]["mosaic_gpu (jax)"] = lambda x, g, s: transposed_ragged_dot_mgpu.\
+            transposed_ragged_dot(grouped._in_groups(x, s), grouped._in_groups(g, s),
+                                  group_sizes=s, **grouped.MOSAIC_BLOCKS)
+    return out
+
+
+def _general(a, b, sizes, dims):
+    import jax
+
+    return jax.lax.ragged_dot_general(a, b, sizes, dims, preferred_element_type=a.dtype)
+
+
+def _tgmm(x, dy, sizes, blocks, interpret):
+    from . import tgmm
+
+    return tgmm.weight_gradient(x, dy, sizes, blocks=blocks, interpret=interpret)
+
+
+def _tokamax(tokamax, impl, dims, a, b, sizes, **kw):
+    if dims is None:
+        return tokamax.ragged_dot(a, b, sizes, implementation=impl, **kw)
+    return tokamax.ragged_dot_general(a, b, sizes, dims, implementation=impl, **kw)
+
+
+def compare_grouped(shapes: dict | None = None, budget_s: float = 240.0,
+                    dtype: str = "bfloat16", only: str = "") -> list[dict]:
+    """Each candidate of `grouped_candidates` at each shape: median seconds, TFLOP/s over the
+    rows in the groups, and its error against the product in fp32 on the same inputs
+    (`_oracle`) (NaN in the rows past the groups, which every kernel must ignore; those rows of
+    the forward and dx outputs are not compared): ||out - ref|| / ||ref||, the worst group's,
+    and whether any NaN came out. Stops starting new candidates after `budget_s`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+
+    start, records = time.perf_counter(), []
+    kernels = grouped_candidates()
+    for name, (m, d, f, g) in (shapes or SHAPES).items():
+        if only and only not in name:
+            continue
+        sizes = jnp.asarray(_sizes(m, g, seed=len(records)))
+        total = int(sizes.sum())
+        past = jnp.arange(m)[:, None] >= total
+        keys = jax.random.split(jax.random.key(len(records)), 3)
+        x32 = jnp.where(past, 0, jax.random.normal(keys[0], (m, d)))
+        dy32 = jnp.where(past, 0, jax.random.normal(keys[1], (m, f)))
+        w32 = jax.random.normal(keys[2], (g, d, f)) / d ** 0.5
+        x, dy, w = (v.astype(dtype) for v in (x32, dy32, w32))
+        exact = {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}
+        x_nan, dy_nan = (jnp.where(past, jnp.nan, v) for v in (x, dy))
+        inputs = {"fwd": (x_nan, w), "dx": (dy_nan, w), "dw": (x_nan, dy_nan)}
+        flops = 2 * total * d * f
+        for op, candidates in kernels.items():
+            ref = np.asarray(jax.jit(_oracle, static_argnums=0)(
+                op, *(v.astype(jnp.float32) for v in exact[op]), sizes))
+            for kname, fn in candidates.items():
+                if time.perf_counter() - start > budget_s:
+                    break
+                record = {"shape": name, "rows": m, "in_groups": total, "d": d, "f": f,
+                          "groups": g, "op": op, "kernel": kname, "dtype": dtype}
+                try:
+                    call = jax.jit(fn)
+                    out = np.asarray(call(*inputs[op], sizes), np.float32)
+                    if op != "dw":
+                        out = np.where(np.asarray(past), 0, out)
+                    seconds = _timed(call, (*inputs[op], sizes))
+                    record.update(seconds=seconds, tflops=flops / seconds / 1e12,
+                                  nan=bool(np.isnan(out).any()),
+                                  error=_rel(out, ref), worst_group=_worst_group(
+                                      out, ref, np.asarray(sizes), op))
+                except Exception as e:  # a kernel this jax or GPU cannot build: say which
+                    record["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                records.append(record)
+                print(_row(record), flush=True)
+    return records
+
+
+def _oracle(op, a, b, sizes):
+    """`op` in fp32, one group at a time as a dense product of its rows (masked): XLA's own
+    `ragged_dot_general` pads to [G, M, D] first, 128 GiB at the fine-grained shape."""
+    import jax
+    import jax.numpy as jnp
+
+    ends = jnp.cumsum(sizes)
+    rows = jnp.arange(a.shape[0])[:, None]
+    hi = jax.lax.Precision.HIGHEST
+
+    def masked(g):
+        return jnp.where((rows >= ends[g] - sizes[g]) & (rows < ends[g]), a, 0)
+
+    if op == "dw":
+        return jax.lax.map(lambda g: jnp.dot(masked(g).T, b, precision=hi),
+                           jnp.arange(sizes.shape[0]))
+    w = b if op == "fwd" else jnp.swapaxes(b, 1, 2)
+    return jax.lax.fori_loop(0, sizes.shape[0], lambda g, acc: acc + jnp.dot(
+        masked(g), w[g], precision=hi), jnp.zeros((a.shape[0], w.shape[2]), jnp.float32))
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+
+    return float(np.linalg.norm(np.nan_to_num(a - b, nan=np.inf)) / max(np.linalg.norm(b),
+                                                                          1e-30))
+
+
+def _worst_group(out, ref, sizes, op) -> float:
+    """The largest ||out - ref|| / ||ref|| over the non-empty groups."""
+    import numpy as np
+
+    ends = np.cumsum(sizes)
+    worst = 0.0
+    for gi, (lo, hi) in enumerate(zip(ends - sizes, ends)):
+        if hi > lo:
+            a, b = (out[gi], ref[gi]) if op == "dw" else (out[lo:hi], ref[lo:hi])
+            worst = max(worst, _rel(a, b))
+    return worst
+
+
+def _row(r: dict) -> str:
+    head = f"{r['shape']:15s} {r['op']:3s} {r['kernel']:34s}"
+    if "failed" in r:
+        return f"{head} failed: {r['failed']}"
+    return (f"{head} {r['seconds'] * 1e3:8.3f} ms {r['tflops']:6.1f} TFLOP/s  error "
+            f"{r['error']:.1e} (worst group {r['worst_group']:.1e}){'  NaN' if r['nan'] else ''}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spmd3d.microbench [--small] [--only=NAME] [--budget=SECONDS] [--json=FILE]`:
+    the grouped-matmul kernels at the bench shapes (`--small`: shapes a CPU runs in seconds, to
+    check the script; `--only`: the shapes whose name holds NAME); no candidate starts after
+    `--budget` seconds (default 240)."""
+    import json
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    small = "--small" in argv
+    shapes = ({"small_gate_up": (512, 128, 256, 4), "small_down": (512, 256, 128, 4)}
+              if small else None)
+    budget = float(next((a.split("=", 1)[1] for a in argv if a.startswith("--budget=")), 240))
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), "")
+    records = compare_grouped(shapes, budget_s=budget, dtype="float32" if small else "bfloat16",
+                              only=only)
+    for a in argv:
+        if a.startswith("--json="):
+            with open(a.split("=", 1)[1], "w") as fh:
+                json.dump(records, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -152,12 +152,13 @@ balanced.defvjp(_balanced_fwd, _balanced_bwd)
 
 
 def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int = 0,
-                kernel: str = "ragged"):
+                kernel: str = "ragged", weight_grad: str = "xla"):
     """y[N, D]: each token through its chosen experts among the local ones (global ids
     first .. first + E_local - 1), weighted; others contribute zero. Dropless: the N k
-    assignments sorted by expert, grouped matmuls (`grouped.matmul(kernel)`) over the groups,
-    then put back in token order and summed over each token's k."""
-    ragged_dot = grouped.matmul("ragged" if kernel == "auto" else kernel)
+    assignments sorted by expert, grouped matmuls (`grouped.matmul(kernel, weight_grad)`) over
+    the groups, then put back in token order and summed over each token's k."""
+    ragged_dot = grouped.matmul("ragged" if kernel == "auto" else kernel,
+                                "xla" if weight_grad == "auto" else weight_grad)
     n, k = experts_nk.shape
     e_local, d = gate_up_edcf.shape[0], x_nd.shape[-1]
     local = experts_nk.reshape(-1) - first
@@ -216,7 +217,8 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
 
 def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, k: int,
                   renormalize: bool, aux_weight: float, z_weight: float,
-                  capacity_factor: float = 0.0, kernel: str = "ragged"):
+                  capacity_factor: float = 0.0, kernel: str = "ragged",
+                  weight_grad: str = "xla"):
     """The routed experts of an MoE layer: y[B, T, D] for x[B, T, D] (the weights as used:
     cast, and laid out by the compute rules: experts over `expert`, their hidden dim over
     `tensor`).
@@ -267,7 +269,8 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         if e_axis is not None:
             x, weights = all_gather(x, e_axis), all_gather(weights, e_axis)
         gate_up, down = vary(gate_up, tokens), vary(down, tokens)
-        y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel) if slot is None else
+        y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel, weight_grad)
+             if slot is None else
              capacity_ffn(x, gate_up, down, weights, slot, cap))
         if e_axis is not None:
             y = psum_scatter(y, e_axis)

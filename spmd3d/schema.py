@@ -15,7 +15,8 @@ REMAT_POLICIES = ("none", "full", "save_dots", "stage")
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
-EXPERT_KERNELS = ("auto", "ragged", "tokamax")  # the experts' grouped matmul (grouped.py)
+EXPERT_KERNELS = ("auto", "ragged", "tokamax", "mosaic")  # the experts' grouped matmul, grouped.py
+EXPERT_WEIGHT_GRADS = ("auto", "xla", "pallas")  # its weights' gradient (grouped.py, tgmm.py)
 FP8_RECIPES = ("off", "delayed")  # FP8 projections and their scaling (fp8.py)
 FP8_ROLES, FP8_BINS = 3, 1024  # its state's sizes: input, weight, gradient; histogram bins
 FP8_PROJECTIONS = 2  # per module that has FP8 state: qkv and o, gate_up and down (model.py)
@@ -141,9 +142,14 @@ class ModelConfig:
                                        "bias (DeepSeek-V3 balancing); 0: off")
     capacity_factor: float = doc(0.0, "MoE: an expert takes at most this x its even share of "
                                       "a device's assignments, the rest dropped; 0: dropless")
-    expert_kernel: str = doc("auto", "MoE, dropless: the grouped matmul: auto (tokamax on a GPU "
-                                     "when installed, else ragged), ragged (jax.lax.ragged_dot) "
-                                     "or tokamax (tokamax.ragged_dot's GPU kernels)")
+    expert_kernel: str = doc("auto", "MoE, dropless: the grouped matmul: auto (mosaic on a "
+                                     "Hopper GPU, tokamax on other GPUs when installed, else "
+                                     "ragged), ragged (jax.lax.ragged_dot), mosaic (jax's Pallas "
+                                     "Mosaic GPU kernel) or tokamax (tokamax.ragged_dot)")
+    expert_weight_grad: str = doc("auto", "MoE, dropless: the experts' weight gradient: auto "
+                                          "(pallas on a GPU, else xla), xla "
+                                          "(jax.lax.ragged_dot_general) or pallas (our "
+                                          "Pallas-Triton kernel, tgmm.py)")
 
     @property
     def is_moe(self) -> bool:

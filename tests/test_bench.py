@@ -248,7 +248,9 @@ def test_experts_grouped_matmul_against_a_dense_one(record):
     # 8 x 32 tokens over 4 data devices, gathered over 2, two choices each; F over tensor 2
     assert (x["kernel"], x["experts"], x["rows"], x["f"]) == ("ragged", 4, 64 * 2 * 2, 16)
     assert x["error"] < 1e-5 and x["grouped_tflops"] > 0 and x["dense_tflops"] > 0
-    assert "experts     grouped matmul (ragged)" in format_report({**r, "experts": x})
+    assert x["weight_grad"] == "xla"
+    assert "experts     grouped matmul (ragged, weight gradient xla)" in format_report(
+        {**r, "experts": x})
     x = measure_experts(config_lib.override(moe, model=dict(capacity_factor=1.25)), repeats=1)
     assert x["kernel"] == "capacity" and x["error"] < 1e-5
     with pytest.raises(config_lib.ConfigError, match="model.num_experts"):

@@ -184,27 +184,37 @@ def test_bias_rule_and_step_metrics_by_hand():
 
 
 def test_the_plan_picks_the_experts_kernel():
-    """The grouped matmul is chosen once, in the plan: jax's ragged_dot on a CPU, tokamax's
-    kernels on a GPU (a plan without devices assumes it installed; with devices and without
-    it, ragged_dot and a warning), the capacity path whenever a capacity factor is set; an
-    explicit tokamax that is not installed is refused naming the field."""
+    """The grouped matmul is chosen once, in the plan: jax's ragged_dot on a CPU, jax's Mosaic
+    GPU kernel on a Hopper GPU in a 2-byte dtype, tokamax's kernels on other GPUs (a plan
+    without devices assumes it installed; with devices and without it, ragged_dot and a
+    warning), the capacity path whenever a capacity factor is set; an explicit kernel that
+    cannot run here is refused naming the field."""
     installed = importlib.util.find_spec("tokamax") is not None
+    hopper = dict(platform="gpu", capability=9.0, capacity_factor=0)
+    ampere = dict(platform="gpu", capability=8.0, capacity_factor=0)
     assert grouped.choose("auto", platform="cpu", capacity_factor=0) == ("ragged", "")
-    assert grouped.choose("auto", platform="gpu", capacity_factor=0, devices=False) == \
-        ("tokamax", "")
-    assert grouped.choose("auto", platform="gpu", capacity_factor=0) == \
+    assert grouped.choose("auto", **hopper) == ("mosaic", "")
+    assert grouped.choose("auto", **hopper, dtype="float32")[0] != "mosaic"
+    assert grouped.choose("auto", platform="gpu", capability=10.0, capacity_factor=0,
+                          devices=False) == ("tokamax", "")  # Blackwell: not Hopper's kernel
+    assert grouped.choose("auto", **ampere, devices=False) == ("tokamax", "")
+    assert grouped.choose("auto", **ampere) == \
         (("tokamax", "") if installed else ("ragged", grouped.SLOW))
     assert grouped.choose("tokamax", platform="gpu", capacity_factor=1.25)[0] == "capacity"
-    assert grouped.choose("ragged", platform="gpu", capacity_factor=0) == ("ragged", "")
+    assert grouped.choose("ragged", **hopper) == ("ragged", "")
     if not installed:
         with pytest.raises(config.ConfigError, match="model.expert_kernel"):
-            grouped.choose("tokamax", platform="gpu", capacity_factor=0)
+            grouped.choose("tokamax", **ampere)
+    with pytest.raises(config.ConfigError, match="model.expert_kernel"):
+        grouped.choose("mosaic", **ampere)
     with grouped.standing_in():
         assert grouped.choose("tokamax", platform="cpu", capacity_factor=0) == ("tokamax", "")
+        assert grouped.choose("mosaic", platform="cpu", capacity_factor=0) == ("mosaic", "")
     plan = Plan.resolve(config.load(str(ROOT / "configs" / "mixtral_8x22b.yaml")),
                         topology="dgx_h100_256")
-    assert plan.experts == ("tokamax", "") and plan.cfg.model.expert_kernel == "tokamax"
-    assert "experts: tokamax (dropless)" in plan.describe()
+    assert plan.experts == ("mosaic", "") and plan.cfg.model.expert_kernel == "mosaic"
+    assert plan.cfg.model.expert_weight_grad == "pallas"
+    assert "experts: mosaic (dropless, weight gradient pallas)" in plan.describe()
 
 
 def test_the_compile_stand_in_has_the_kernels_shapes():
@@ -221,8 +231,10 @@ def test_the_compile_stand_in_has_the_kernels_shapes():
         return jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(both, x, w, sizes))
 
     with grouped.standing_in():
-        assert grouped.matmul("tokamax") is not jax.lax.ragged_dot
-        assert shapes(grouped.matmul("tokamax")) == shapes(jax.lax.ragged_dot)
+        for kernel, weight_grad in (("tokamax", "xla"), ("mosaic", "pallas"),
+                                    ("ragged", "pallas")):
+            assert grouped.matmul(kernel, weight_grad) is not jax.lax.ragged_dot
+            assert shapes(grouped.matmul(kernel, weight_grad)) == shapes(jax.lax.ragged_dot)
 
 
 def _poisoning_tokamax(monkeypatch):

@@ -29,16 +29,15 @@ from ..ring import zigzag_order
 from ..sharding import ZeroRules, zero_rules
 
 
-def _platform(mesh, topology: Topology) -> tuple[str, bool, bool]:
-    """(platform, whether the GPUs are Hopper or later, whether there are devices) of the
-    mesh's devices; a plan without devices takes the topology's platform, and Hopper when
-    the topology has an FP8 peak."""
+def _platform(mesh, topology: Topology) -> tuple[str, float, bool]:
+    """(platform, the GPUs' compute capability (0 for other devices), whether there are
+    devices) of the mesh's devices; a plan without devices takes the topology's platform,
+    and Hopper's 9.0 when the topology has an FP8 peak."""
     try:
         device = mesh.devices.flat[0]
     except ValueError:  # an AbstractMesh has no devices
-        return topology.platform, FP8_PEAK in dict(topology.peak_tflops), False
-    capability = getattr(device, "compute_capability", None) or "0"
-    return device.platform, float(capability) >= 9.0, True
+        return topology.platform, 9.0 * (FP8_PEAK in dict(topology.peak_tflops)), False
+    return device.platform, float(getattr(device, "compute_capability", None) or "0"), True
 
 
 def _with_kernels(cfg: Config, mesh, topology: Topology,
@@ -47,17 +46,18 @@ def _with_kernels(cfg: Config, mesh, topology: Topology,
     `model.expert_kernel`; the attention kind, for packed `documents` or not, and why
     documents fell back from pallas to cuDNN's dense mask (or ""); the experts' kernel and
     its warning, or () for a dense model) on the mesh's devices."""
-    platform, hopper, devices = _platform(mesh, topology)
+    platform, capability, devices = _platform(mesh, topology)
     m, experts = cfg.model, ()
     if m.dtype == "auto":
         m = replace(m, dtype=compute_dtype(m.dtype, platform))
     if m.is_moe:
         experts = grouped.choose(m.expert_kernel, platform=platform,
-                                 capacity_factor=m.capacity_factor,
-                                 devices=devices)
+                                 capacity_factor=m.capacity_factor, devices=devices,
+                                 capability=capability, dtype=m.dtype)
         if experts[0] != "capacity":
-            m = replace(m, expert_kernel=experts[0])
-    if m.fp8 != "off" and not m.fp8_emulate and not (platform == "gpu" and hopper):
+            m = replace(m, expert_kernel=experts[0], expert_weight_grad=grouped.choose_weight_grad(
+                m.expert_weight_grad, platform=platform))
+    if m.fp8 != "off" and not m.fp8_emulate and not (platform == "gpu" and capability >= 9.0):
         raise ConfigError("model.fp8", f"FP8 GEMMs need a Hopper GPU or later (this run's "
                           f"devices are {'older GPUs' if platform == 'gpu' else platform}); "
                           f"model.fp8_emulate=true runs the same casts and scales with the "
@@ -68,7 +68,7 @@ def _with_kernels(cfg: Config, mesh, topology: Topology,
                                                par.pipeline_repeats,
                                                par.pipeline_schedule).mode == "switch"
     shape = dict(platform=platform, dtype=m.dtype, head_dim=m.dim_per_head, seq=cfg.mesh.seq,
-                 hopper=hopper, seq_len=cfg.train.seq_len, stage=cfg.mesh.stage)
+                 hopper=capability >= 9.0, seq_len=cfg.train.seq_len, stage=cfg.mesh.stage)
     kind = choose(m.attention, branched=branched, documents=documents, **shape)
     return cfg, (kind, fallback(**shape) if documents and kind == "cudnn" else ""), experts
 
@@ -270,7 +270,8 @@ class Plan:
             kernel, warning = self.experts
             how = ("fixed buffers of capacity factor "
                    f"{self.cfg.model.capacity_factor:g}, over capacity dropped"
-                   if kernel == "capacity" else "dropless")
+                   if kernel == "capacity" else
+                   f"dropless, weight gradient {self.cfg.model.expert_weight_grad}")
             lines.append(f"experts: {kernel} ({how}){'; ' + warning if warning else ''}")
         if self.eot is not None:
             why = self.attention_fallback
