@@ -230,56 +230,67 @@ def _tokamax(tokamax, impl, dims, a, b, sizes, **kw):
 
 def compare_grouped(shapes: dict | None = None, budget_s: float = 240.0,
                     dtype: str = "bfloat16", only: str = "") -> list[dict]:
-    """Each candidate of `grouped_candidates` at each shape: median seconds, TFLOP/s over the
-    rows in the groups, and its error against the product in fp32 on the same inputs
-    (`_oracle`) (NaN in the rows past the groups, which every kernel must ignore; those rows of
-    the forward and dx outputs are not compared): ||out - ref|| / ||ref||, the worst group's,
-    and whether any NaN came out. Stops starting new candidates after `budget_s`."""
+    """Each candidate of `grouped_candidates` at each shape, the weights' gradient first at
+    every shape (what matters most), then the forward, then the input's gradient: median
+    seconds, TFLOP/s over the rows in the groups, and its error against the product in fp32
+    on the same inputs (`_oracle`) (NaN in the rows past the groups, which every kernel must
+    ignore; those rows of the forward and dx outputs are not compared): ||out - ref|| /
+    ||ref||, the worst group's, and whether any NaN came out. Stops starting new candidates
+    after `budget_s`."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
-
 
     start, records = time.perf_counter(), []
     kernels = grouped_candidates()
-    for name, (m, d, f, g) in (shapes or SHAPES).items():
-        if only and only not in name:
-            continue
-        sizes = jnp.asarray(_sizes(m, g, seed=len(records)))
-        total = int(sizes.sum())
-        past = jnp.arange(m)[:, None] >= total
-        keys = jax.random.split(jax.random.key(len(records)), 3)
-        x32 = jnp.where(past, 0, jax.random.normal(keys[0], (m, d)))
-        dy32 = jnp.where(past, 0, jax.random.normal(keys[1], (m, f)))
-        w32 = jax.random.normal(keys[2], (g, d, f)) / d ** 0.5
-        x, dy, w = (v.astype(dtype) for v in (x32, dy32, w32))
-        exact = {"fwd": (x, w), "dx": (dy, w), "dw": (x, dy)}
-        x_nan, dy_nan = (jnp.where(past, jnp.nan, v) for v in (x, dy))
-        inputs = {"fwd": (x_nan, w), "dx": (dy_nan, w), "dw": (x_nan, dy_nan)}
-        flops = 2 * total * d * f
-        for op, candidates in kernels.items():
-            ref = np.asarray(jax.jit(_oracle, static_argnums=0)(
-                op, *(v.astype(jnp.float32) for v in exact[op]), sizes))
+    problems = {name: _problem(shape, dtype, seed) for seed, (name, shape) in
+                enumerate((shapes or SHAPES).items()) if not only or only in name}
+    for op, candidates in kernels.items():
+        for name, p in problems.items():
+            ref = np.asarray(jax.jit(_oracle, static_argnums=0)(op, *p["exact"][op], p["sizes"]))
             for kname, fn in candidates.items():
                 if time.perf_counter() - start > budget_s:
-                    break
-                record = {"shape": name, "rows": m, "in_groups": total, "d": d, "f": f,
-                          "groups": g, "op": op, "kernel": kname, "dtype": dtype}
+                    return records
+                record = {"shape": name, **p["shape"], "op": op, "kernel": kname,
+                          "dtype": dtype}
                 try:
                     call = jax.jit(fn)
-                    out = np.asarray(call(*inputs[op], sizes), np.float32)
+                    args = (*p["inputs"][op], p["sizes"])
+                    out = np.asarray(call(*args), np.float32)
                     if op != "dw":
-                        out = np.where(np.asarray(past), 0, out)
-                    seconds = _timed(call, (*inputs[op], sizes))
-                    record.update(seconds=seconds, tflops=flops / seconds / 1e12,
+                        out = np.where(p["past"], 0, out)
+                    seconds = _timed(call, args)
+                    record.update(seconds=seconds, tflops=p["flops"] / seconds / 1e12,
                                   nan=bool(np.isnan(out).any()),
                                   error=_rel(out, ref), worst_group=_worst_group(
-                                      out, ref, np.asarray(sizes), op))
+                                      out, ref, np.asarray(p["sizes"]), op))
                 except Exception as e:  # a kernel this jax or GPU cannot build: say which
                     record["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 records.append(record)
                 print(_row(record), flush=True)
     return records
+
+
+def _problem(shape, dtype, seed: int) -> dict:
+    """One shape's operands: `inputs` (NaN past the groups) for each op, the same in fp32
+    with 0 there for the oracle (`exact`), the group sizes and the FLOPs in the groups."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    m, d, f, g = shape
+    sizes = jnp.asarray(_sizes(m, g, seed=seed))
+    total = int(sizes.sum())
+    past = jnp.arange(m)[:, None] >= total
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x, dy = (jnp.where(past, 0, jax.random.normal(k, (m, n))).astype(dtype)
+             for k, n in ((keys[0], d), (keys[1], f)))
+    w = (jax.random.normal(keys[2], (g, d, f)) / d ** 0.5).astype(dtype)
+    x_nan, dy_nan = (jnp.where(past, jnp.nan, v) for v in (x, dy))
+    exact = {op: tuple(v.astype(jnp.float32) for v in vs)
+             for op, vs in (("fwd", (x, w)), ("dx", (dy, w)), ("dw", (x, dy)))}
+    return {"shape": {"rows": m, "in_groups": total, "d": d, "f": f, "groups": g},
+            "sizes": sizes, "past": np.asarray(past), "flops": 2 * total * d * f, "exact": exact,
+            "inputs": {"fwd": (x_nan, w), "dx": (dy_nan, w), "dw": (x_nan, dy_nan)}}
 
 
 def _oracle(op, a, b, sizes):
