@@ -2,14 +2,13 @@
 
 `model.fp8=delayed` puts each transformer projection (QKV, attention output, the MLP's gate/up
 and down) through `einsum`: its input and weight are quantized to e4m3 and its output's
-gradient to e5m2, each with a per-tensor scale, and dequantized to the compute dtype around
-the matmul (quantize -> dequantize -> dot: the pattern XLA's GPU compiler rewrites into a
-cuBLASLt FP8 GEMM on Hopper). `model.fp8_emulate` keeps the casts and scales and runs the GEMMs
-in the compute dtype on any device: the dequantized operands pass an optimization barrier,
-which the rewrite cannot see through (on a Hopper GPU, FP8's rounding without FP8's GEMMs:
-what separates the two when a loss curve differs; elsewhere, what runs at all). Attention's
-own products, the norms, the router, the experts, the head and the loss stay in the compute
-dtype.
+gradient to e5m2, each with a per-tensor scale, and the GEMMs take the FP8 tensors themselves,
+the scales multiplying their outputs (the form XLA's GPU compiler rewrites into cuBLASLt FP8
+GEMMs on Hopper: e4m3 x e4m3 forward, e5m2 x e4m3 for both gradients). `model.fp8_emulate`
+keeps the casts and scales and runs the GEMMs in the compute dtype on any device, on the
+dequantized FP8 values (on a Hopper GPU, FP8's rounding without FP8's GEMMs: what separates the
+two when a loss curve differs; elsewhere, what runs at all). Attention's own products, the
+norms, the router, the experts, the head and the loss stay in the compute dtype.
 
 **Delayed scaling.** A tensor's scale at step t comes from the largest absolute value (amax)
 it had over the previous `model.fp8_history` steps: scale = amax * 2^margin / fp8 max (1 with
@@ -109,73 +108,95 @@ def amax_of(histogram_b):
                      2.0 ** ((top - _ZERO) / PER_BINADE), 0.0).astype(jnp.float32)
 
 
+def quantize(x, fp8_dtype, scale):
+    """x / scale, saturated at the format's largest value, rounded to `fp8_dtype`."""
+    fmax = float(jnp.finfo(fp8_dtype).max)
+    return jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(fp8_dtype)
+
+
 def qdq(x, fp8_dtype, scale):
     """x quantized to `fp8_dtype` with `scale` (saturating) and back to x's dtype."""
-    fmax = float(jnp.finfo(fp8_dtype).max)
-    s = scale.astype(x.dtype)
-    q = jnp.clip(x / s, -fmax, fmax).astype(fp8_dtype)
-    return q.astype(x.dtype) * s
+    return quantize(x, fp8_dtype, scale).astype(x.dtype) * scale.astype(x.dtype)
 
 
 def _amax(x):
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-def _gemm_input(x, emulate: bool):
-    """A dequantized GEMM operand; emulated, behind a barrier that keeps XLA's GPU compiler
-    from fusing the dequantize into an FP8 GEMM (the GEMM then runs in x's dtype)."""
-    return jax.lax.optimization_barrier(x) if emulate else x
+def _scaled_einsum(spec, qa, qb, sa, sb, dtype, emulate, precision=None):
+    """`einsum(spec)` of two FP8 tensors, times their scales, as `dtype`.
+
+    Direct: the FP8 tensors are the dot's operands and the product of the scales multiplies
+    its output, which XLA's GPU compiler turns into one cuBLASLt FP8 GEMM with the scales
+    folded in. (A dequantize -> dot pattern does not survive it: its SimplifyFPConversions
+    folds the `bf16 -> fp8 -> bf16` convert pair before the GEMM rewrite sees it; docs/fp8.md.)
+    Emulated: each operand dequantized behind two barriers, one between the FP8 value and its
+    dequantize (which keeps that pair) and one after (which keeps the dequantize out of an FP8
+    GEMM); the GEMM then runs in `dtype`."""
+    if emulate:
+        qa, qb = (_dequantize(q, s, dtype) for q, s in ((qa, sa), (qb, sb)))
+        return jnp.einsum(spec, qa, qb, precision=precision)
+    y = jnp.einsum(spec, qa, qb, preferred_element_type=dtype, precision=precision)
+    return y * (sa * sb).astype(dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _forward_qdq(x, scale, probe, emulate):
-    """e4m3 qdq of x; the gradient passes straight through, the probe's is x's histogram."""
-    return _gemm_input(qdq(x, E4M3, scale), emulate)
+def _dequantize(q, scale, dtype):
+    """q * scale as `dtype`, the FP8 value and the result each behind a barrier."""
+    bar = jax.lax.optimization_barrier
+    return bar(bar(q).astype(dtype) * scale.astype(dtype))
 
 
-def _forward_fwd(x, scale, probe, emulate):
-    return _forward_qdq(x, scale, probe, emulate), (_amax(x), scale)
+def _specs(spec: str) -> tuple[str, str]:
+    """The input's and the weight's gradient specs of `spec` ("A,B->C"): "C,B->A", "A,C->B"."""
+    (a, b), c = spec.split("->")[0].split(","), spec.split("->")[1]
+    assert set(a) <= set(b) | set(c) and set(b) <= set(a) | set(c), spec
+    return f"{c},{b}->{a}", f"{a},{c}->{b}"
 
 
-def _forward_bwd(emulate, res, g):
-    amax, scale = res
-    return g, jnp.zeros_like(scale), histogram(amax)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _projection(spec, emulate, x, w, s, probes):
+    """`einsum(spec, x, w)` through FP8: x and w in e4m3 with scales s[0], s[1]; the output's
+    gradient in e5m2 with s[2], each gradient's GEMM again FP8 (e5m2 x e4m3). The gradient of
+    `probes` [3, BINS] is the histograms of the three tensors' amaxes."""
+    return _projection_fwd(spec, emulate, x, w, s, probes)[0]
 
 
-_forward_qdq.defvjp(_forward_fwd, _forward_bwd)
+def _projection_fwd(spec, emulate, x, w, s, probes):
+    qx, qw = quantize(x, E4M3, s[0]), quantize(w, E4M3, s[1])
+    y = _scaled_einsum(spec, qx, qw, s[0], s[1], x.dtype, emulate)
+    # FP8 residuals, the backward's GEMM operands at half bf16's bytes, kept as bytes
+    # (XLA:CPU gives NaN out of finite values when FP8 arrays cross a layer scan)
+    return y, (_bytes(qx), _bytes(qw), s, _amax(x), _amax(w))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _backward_qdq(y, scale, probe, emulate):
-    """y as it is; its gradient is e5m2 qdq'd, the probe's gradient is the gradient's
-    histogram."""
-    return y
+def _bytes(q):
+    return jax.lax.bitcast_convert_type(q, jnp.uint8)
 
 
-def _backward_fwd(y, scale, probe, emulate):
-    return y, scale
+def _projection_bwd(spec, emulate, res, g):
+    bx, bw, s, amax_x, amax_w = res
+    qx, qw = (jax.lax.bitcast_convert_type(b, E4M3) for b in (bx, bw))
+    dx_spec, dw_spec = _specs(spec)
+    qg = quantize(g, E5M2, s[2])
+    exact = jax.lax.Precision.HIGHEST  # no fast accumulation for the gradients (as flax)
+    dx = _scaled_einsum(dx_spec, qg, qw, s[2], s[1], g.dtype, emulate, exact)
+    dw = _scaled_einsum(dw_spec, qx, qg, s[0], s[2], g.dtype, emulate, exact)
+    seen = jnp.stack([histogram(amax_x), histogram(amax_w), histogram(_amax(g))])
+    return dx, dw, jnp.zeros_like(s), seen
 
 
-def _backward_bwd(emulate, scale, g):
-    return (_gemm_input(qdq(g, E5M2, scale), emulate), jnp.zeros_like(scale),
-            histogram(_amax(g)))
-
-
-_backward_qdq.defvjp(_backward_fwd, _backward_bwd)
+_projection.defvjp(_projection_fwd, _projection_bwd)
 
 
 def einsum(spec: str, x, w, state: Fp8Meta, i: int):
     """`jnp.einsum(spec, x, w)` through FP8 with projection `i`'s scaling in `state`: x and w
-    in e4m3, the output's gradient in e5m2 (dequantized, in x's dtype; with `state.emulate`
-    behind a barrier, so that the GEMMs stay in that dtype on a Hopper GPU too)."""
+    in e4m3, the output's gradient in e5m2 (`_projection`; with `state.emulate` the GEMMs run
+    in x's dtype on the same FP8 values). x and w share a dtype (the compute dtype)."""
+    assert x.dtype == w.dtype, (x.dtype, w.dtype)
     s = jax.lax.stop_gradient(scales(state.history[i], state.margin))
-    probe_rb = state.probe[i]
-    # inside a shard_map each probe varies as its tensor does: its gradient, this device's
-    # histogram, is then summed over the devices that split the tensor
-    def probe(i, a):
-        return vary(probe_rb[i], varying(jax.typeof(a)))
-
-    emulate = state.emulate
-    y = jnp.einsum(spec, _forward_qdq(x, s[0], probe(0, x), emulate),
-                   _forward_qdq(w, s[1], probe(1, w), emulate))
-    return _backward_qdq(y, s[2], probe(2, y), emulate)
+    # inside a shard_map, x, w and the probes are made to vary over the same axes first: the
+    # casts' transposes then sum each gradient over the devices its value was broadcast to
+    # (the weight's over the tokens' shards, a histogram over every device that saw it)
+    axes = tuple(sorted(varying(jax.typeof(x)) | varying(jax.typeof(w))))
+    return _projection(spec, state.emulate, vary(x, axes), vary(w, axes), s,
+                       vary(state.probe[i], axes))
