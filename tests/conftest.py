@@ -16,9 +16,13 @@ import os
 import shutil
 import tempfile
 
+from spmd3d.mesh import cpu_xla_flags  # imports no jax
+
 for _FLAG in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
     if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# what every CPU run gets (bf16 dots summed in fp32: `mesh.CPU_XLA_FLAGS`)
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process: the workers
     # and every subprocess inherit it
