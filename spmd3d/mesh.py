@@ -163,30 +163,8 @@ def load_topology(name: str, platform: str = "cpu") -> Topology:
         raise ConfigError("mesh.topology", f"{path.name}: {e}") from None
 
 
-# XLA:CPU flags for every CPU run (simulated devices, the tests), each unless XLA_FLAGS names
-# its flag already. jaxlib 0.12's XLA:CPU (not 0.10.2's) leaves a bf16 x bf16 -> bf16 dot in
-# bf16 when YNNPACK's dot accepts it, which it decides before layout assignment; a dot that
-# YNNPACK then refuses (an operand contracted over its major dim, as the weight gradient of
-# `btf,fd->btd`) runs in XLA's own bf16 kernel, which rounds partial sums to bf16. Measured
-# with jax 0.12.0.1: one device's bf16 `w_down` gradient (512 tokens) 5.1-9.2 units of bf16
-# roundoff off fp32, where 8 devices (64 tokens each) were 1.4 and every other leaf 1.5.
-# Without YNNPACK's single dots every bf16 dot is widened to fp32 first, as jax 0.10.2's XLA
-# did and a GPU accumulates: the same gradient 1.2 units off. Its price on 8 simulated devices
-# (d_model 256, 2 cores): a bf16 step 0.39 -> 0.51 s, an fp32 step 0.53 -> 0.54-0.61 s.
-# jaxlib 0.10.2 knows the flag too.
-CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=-individual_dot",)
-
-
-def cpu_xla_flags(xla_flags: str) -> str:
-    """`xla_flags` with each of CPU_XLA_FLAGS that it does not set already."""
-    flags = xla_flags.split()
-    named = {f.split("=")[0] for f in flags}
-    return " ".join(flags + [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in named])
-
-
 def simulate_devices(n: int) -> None:
-    """Ask XLA for `n` host (CPU) devices, with `CPU_XLA_FLAGS`. Must run before jax starts a
-    backend to take effect.
+    """Ask XLA for `n` host (CPU) devices. Must run before jax is imported to take effect.
 
     n > 0 also pins JAX to the CPU; n == -1 asks for 8 CPU devices but lets JAX pick an
     accelerator when one is present (the host-device flag only affects the CPU platform).
@@ -197,7 +175,7 @@ def simulate_devices(n: int) -> None:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={count}")
-    os.environ["XLA_FLAGS"] = cpu_xla_flags(" ".join(flags))
+    os.environ["XLA_FLAGS"] = " ".join(flags)
     if n > 0:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
