@@ -16,7 +16,19 @@ import os
 import shutil
 import tempfile
 
-for _FLAG in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+# --xla_cpu_experimental_ynn_fusion_type=-individual_dot: every bf16 dot summed in fp32, as a
+# GPU sums it. jaxlib 0.12's XLA:CPU (not 0.10.2's) leaves a bf16 x bf16 -> bf16 dot in bf16
+# when YNNPACK's dot accepts it, which it decides before layout assignment; a dot YNNPACK then
+# refuses (an operand contracted over its major dim, as the weight gradient of `btf,fd->btd`)
+# runs in XLA's own bf16 kernel, which rounds partial sums to bf16. Measured with jax
+# 0.12.0.1: one device's bf16 `w_down` gradient (512 tokens) 5.1 units of bf16 roundoff off
+# fp32 (9.2 on Python 3.11's corpus), the 8-device layouts (64 tokens a device) 1.2-1.5, so
+# test_bf16 compared right layouts with a wrong reference; with the flag 1.2. Runs keep
+# XLA's default: it is what the CPU benchmarks beside MaxText compare (docs/benchmarks.md);
+# on 8 simulated devices (d_model 256) the flag took a bf16 step from 0.39 to 0.51 s and an
+# fp32 step from 0.53 to 0.54-0.61 s. jaxlib 0.10.2 knows the flag too.
+for _FLAG in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+              "--xla_cpu_experimental_ynn_fusion_type=-individual_dot"):
     if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -14,6 +14,10 @@ bf16 run's expert weights are 3.7 u off (`w_gate_up`, of its largest value) and 
 gradients are held to 8 u, as far from each other as two bf16 runs of the layer may each be
 from the truth.
 
+Every bf16 dot sums in fp32, as on a GPU: on jax 0.12 only with conftest's XLA:CPU flag,
+without which one device's `w_down` gradient was 5.1 u off fp32 (its dot's partial sums
+rounded to bf16) and 5.6 u off the layouts, which were 1.5 u off fp32.
+
 A gradient that a shard_map sums over a manual axis is summed in fp32 (`manual.vary`): in
 bf16 XLA:CPU's all-reduce-promotion pass aborted the compile (its reducer's root was the
 sharding constraint's copy, "Invalid binary instruction opcode copy").
