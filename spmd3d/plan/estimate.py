@@ -13,7 +13,7 @@ import math
 
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
-                     state_bytes, UNTRAINED)
+                     state_bytes, untrained)
 from ..units import gb
 from . import quirks
 from .quirks import applies
@@ -196,6 +196,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # in a pipeline (the shard_map sums its fp32 weights' cotangent); the embedding in fp32;
     # the head in fp32 (summed inside the loss's or the schedule's shard_map: `manual.vary`)
     shapes = param_shapes(m, len(plan.layer_order))
+    skip = untrained(m, len(plan.layer_order))
     sharded = rules.grads_over_batch and d > 1
     times = plan.accum_steps if applies("reduce_inside_accumulation") else 1
 
@@ -204,7 +205,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
 
     blocks = [k for k in shapes if k.startswith("blocks/")]
     experts = [k for k in blocks if "experts" in shapes[k][1]]  # split over `expert` already
-    fp32 = [k for k in blocks if "norm" in k or k.endswith(("router",) + UNTRAINED)]
+    fp32 = [k for k in blocks if "norm" in k or k.endswith("router") or k in skip]
     # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
     # `manual.vary`)
     for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, (DATA,))):
@@ -243,7 +244,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
         g = pb if s is not None else c
-        dense = [k for k in blocks if k not in experts and not k.endswith(UNTRAINED)]
+        dense = [k for k in blocks if k not in experts and k not in skip]
         add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * g, uses)
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
             uses)

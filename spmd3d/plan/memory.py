@@ -6,7 +6,7 @@ tracing it on abstract shapes: no devices, nothing compiled.
 
 Memory per device, by kind:
 * parameters, optimizer state (Adam's two moments), gradients (fp32): each parameter's shard
-  under its ZeRO table (`param_shapes` mirrors `model.Transformer`; a test holds them equal);
+  under its ZeRO table (`param_shapes`: the model's own abstract state);
 * saved activations: what the backward keeps of a layer, asked of the layer itself
   (`residuals.py`: its vjp traced at one device's share, per remat policy and kernel) times
   the layer passes alive at the peak (`activation_bytes`: one microbatch without a pipeline,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..config import ModelConfig
 from . import residuals
@@ -35,47 +36,35 @@ def itemsize(dtype: str) -> int:
     return 2 if dtype in ("bfloat16", "float16") else 4
 
 
+@lru_cache(maxsize=64)
+def _inventory(m: ModelConfig, layers: int) -> tuple[dict, frozenset]:
+    """({parameter key: (global shape, logical names)}, the keys of state the optimizer does
+    not train) of the model with `layers` stored layer slots, read from the model's own
+    abstract state (`model.abstract_model`: nothing allocated): its shapes, its logical
+    names, and `sharding.Untrained` by type (the router's state, FP8's)."""
+    from flax import nnx
+
+    from ..model import abstract_model
+    from ..sharding import Untrained
+    from ..store import flat
+
+    order = tuple(range(m.num_layers)) + (-1,) * (layers - m.num_layers)  # -1: a padding slot
+    _, params = abstract_model(m, order)
+    variables = flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    shapes = {k: (tuple(v.shape), tuple(v.get_metadata("axes"))) for k, v in variables.items()}
+    return shapes, frozenset(k for k, v in variables.items() if isinstance(v, Untrained))
+
+
 def param_shapes(m: ModelConfig, layers: int) -> dict:
     """{parameter key: (global shape, logical names)} of the model with `layers` stored
-    layers, as `model.Transformer` builds them."""
-    d, k, g, h, f, v = (m.d_model, m.num_kv_heads, m.num_heads // m.num_kv_heads,
-                        m.dim_per_head, m.d_ff, m.vocab_size)
-    stacked = {
-        "attn_norm/scale": ((d,), ("norm",)),
-        "attn/w_qkv": ((d, k, g + 2, h), ("embed", "kv_heads", "q_per_kv", "head_dim")),
-        "attn/w_o": ((k, g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed")),
-        "mlp_norm/scale": ((d,), ("norm",)),
-        "mlp/w_gate_up": ((d, 2, f), ("embed", "gate_up", "mlp")),
-        "mlp/w_down": ((f, d), ("mlp", "embed")),
-    }
-    if m.qk_norm:
-        stacked.update({f"attn/{n}": ((h,), ("head_dim",)) for n in ("q_norm", "k_norm")})
-    if m.is_moe:  # model.MoE's: the router, the experts stacked [E, ...], the router state
-        e, fe, shared = m.num_experts, m.expert_width, m.shared_experts * m.expert_width
-        del stacked["mlp/w_gate_up"], stacked["mlp/w_down"]
-        stacked.update({
-            "mlp/router": ((d, e), ("embed", "routes")),
-            "mlp/w_gate_up": ((e, d, 2, fe), ("experts", "expert_embed", "gate_up", "mlp")),
-            "mlp/w_down": ((e, fe, d), ("experts", "mlp", "expert_embed")),
-            **{key: (shape, ("routes",)) for key, shape in ROUTER_STATE(e).items()}})
-        if shared:
-            stacked.update({"mlp/shared/w_gate_up": ((d, 2, shared), ("embed", "gate_up", "mlp")),
-                            "mlp/shared/w_down": ((shared, d), ("mlp", "embed"))})
-    stacked.update({key: (shape, ("fp8",) * 3) for key, shape in m.fp8_state.items()})
-    out = {"embed": ((v, d), ("vocab", "embed"))}
-    out.update({f"blocks/{key}": ((layers, *shape), ("layers", *names))
-                for key, (shape, names) in stacked.items()})
-    out.update({"final_norm/scale": ((d,), ("norm",)), "head": ((d, v), ("embed", "vocab"))})
-    return out
+    layer slots, as `model.Transformer` builds them (`_inventory`)."""
+    return _inventory(m, layers)[0]
 
 
-# the keys of `Untrained` state (the router's, FP8's): no optimizer moments
-UNTRAINED = ("mlp/bias", "mlp/probe", "fp8/history", "fp8/probe")
-
-
-def ROUTER_STATE(e: int) -> dict:  # noqa: N802 -- a table, by expert count
-    """The MoE layer's router state (`moe.RouterState`): parameters the optimizer skips."""
-    return {"mlp/bias": (e,), "mlp/probe": (e + 3,)}  # moe.stats_size (no jax here)
+def untrained(m: ModelConfig, layers: int) -> frozenset:
+    """The keys of `param_shapes` that the optimizer does not train (`sharding.Untrained`:
+    no moments)."""
+    return _inventory(m, layers)[1]
 
 
 def _axes(rule) -> tuple:
@@ -95,11 +84,12 @@ def state_bytes(plan) -> dict:
     `footprint.state_terms` reads from the shardings, without them."""
     mesh, rules = dict(plan.mesh.shape), plan.rules
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
+    skip = untrained(plan.cfg.model, len(plan.layer_order))
     pbytes = itemsize(plan.cfg.model.param_dtype)
 
     def total(table, size, trained=False):
         return sum(shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
-                   if not (trained and k.endswith(UNTRAINED))) * size
+                   if not (trained and k in skip)) * size
 
     moments = plan.cfg.optim.moment_dtype
     return {"parameters": total(rules.params, pbytes),
