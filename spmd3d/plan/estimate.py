@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from .. import ring
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
@@ -167,20 +168,12 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
             summed + ep * n * m.experts_per_token * F32, bwd)
         add("outputs' gradients to the experts", "gather", (EXPERT,), gathered, bwd)
 
-    # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
-    # shift is the backward's), and K, V with their fp32 gradients n times in the backward
-    kv = n * w.kv * c
+    # seq: what the ring (or ZB-H1's gather) moves (`ring.traffic`)
     inlined = applies("one_trip_loops_inlined")
-    if q > 1 and plan.attention == "gather":  # ZB-H1: the whole sequence's K and V gathered
-        # again in the backward (a layer's recompute reuses that gather, a stage's does not),
-        # their fp32 gradients reduce-scattered
-        add("K, V gathered", "gather", (SEQ,), 2 * q * kv, fwd + restage + bwd)
-        add("dK, dV reduce-scattered", "reduce-scatter", (SEQ,), 2 * q * n * w.kv * F32, bwd)
-    elif q > 1:
-        two = q == 2 and inlined  # one-step loops: their last shifts of K and V dropped
-        shifts = (1 if two else q) * fwd + (0 if two else q - 1) * (fwd * redone(plan))
-        add("ring K, V", "permute", (SEQ,), 2 * kv, shifts + (q - two) * bwd)
-        add("ring dK, dV", "permute", (SEQ,), 2 * n * w.kv * F32, q * bwd)
+    for what, kind, nbytes in ring.traffic(q, plan.attention == "gather", n * w.kv * c,
+                                           n * w.kv * F32, fwd, restage, fwd * redone(plan),
+                                           bwd, inlined):
+        add(what, kind, (SEQ,), nbytes)
 
     # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
     if s is not None:
