@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .. import ring
+from .. import moe, ring
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
@@ -138,35 +138,12 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("final norm gathered", "gather", (TENSOR,), head_tokens * m.d_model * c)
         add("embedding cotangent gathered", "gather", (TENSOR,), tokens * m.d_model * F32)
 
-    # an MoE layer sums its experts' outputs over `tensor` itself (and the transpose its
-    # inputs' gradients), in fp32; inside a pipeline it keeps `tensor` automatic, and the
-    # compiler reduces the experts' partial sums over every gathered assignment, [R, D] with
-    # R = expert x tokens x min(k, local experts), where the MLP's own reduction would be:
-    # forward once, backward twice (the inputs' gradients of gate and up) and once more
-    # where the backward recomputes the outputs (the router weights' gradient needs them);
-    # read from the HLO of Mixtral 8x22B's compiled step
-    ep = deg.expert
-    if m.is_moe and s is None and t > 1:  # (`manual.psum` sums a narrow float in fp32)
-        add("experts' sums, in fp32", "reduce", (TENSOR,), act * (F32 - c) // c, fwd + bwd)
-    if experts_auto:
-        rows = ep * n * min(m.experts_per_token, m.num_experts // ep)
-        add("experts' partial sums", "reduce", (TENSOR,), rows * m.d_model * c,
-            fwd + restage + bwd * (2 + (remat != "none")))
-
-    # expert: an MoE layer all-gathers its tokens (with their choices: k weights and ids) over
-    # `expert` and reduce-scatters the outputs back; the backward runs the transposes. The
-    # reduce-scatters sum a narrow float in fp32 (`manual.psum_scatter`, `manual.all_gather`)
-    if m.is_moe and ep > 1:
-        gathered = ep * n * m.d_model * c
-        summed = ep * n * m.d_model * max(c, F32)
-        choices = ep * n * m.experts_per_token * (F32 + 4)
-        add("tokens to the experts", "gather", (EXPERT,), gathered + choices,
-            fwd + restage + bwd * (remat != "none"))
-        # (a recompute drops it: the backward needs the experts' outputs, not their sums)
-        add("experts' outputs back", "reduce-scatter", (EXPERT,), summed, fwd + restage)
-        add("tokens' gradients back", "reduce-scatter", (EXPERT,),
-            summed + ep * n * m.experts_per_token * F32, bwd)
-        add("outputs' gradients to the experts", "gather", (EXPERT,), gathered, bwd)
+    # an MoE layer's sums over `tensor` and its dispatch over `expert` (`moe.traffic`)
+    if m.is_moe:
+        how = "auto" if experts_auto else "manual" if s is None and t > 1 else ""
+        for what, kind, axis, nbytes in moe.traffic(m, deg.expert, how, n, c, fwd, restage,
+                                                    bwd, remat != "none"):
+            add(what, kind, (axis,), nbytes)
 
     # seq: what the ring (or ZB-H1's gather) moves (`ring.traffic`)
     inlined = applies("one_trip_loops_inlined")
