@@ -85,6 +85,23 @@ def gradient_sums(head: int, embed: int, out_of_place: bool) -> int:
     return embed + (head + embed) * out_of_place
 
 
+def traffic(d_model: int, tokens: int, head_tokens: int, table_bytes: int, c: int,
+            sequence_parallel: bool) -> list[tuple[str, str, float]]:
+    """What the vocabulary's two ends move over `tensor` in a step, per device, for the
+    planner (`plan.estimate.transfers`): (what, kind, bytes). The lookup's psum of its vocab
+    shards (in fp32 at least: `manual.psum`) over the step's `tokens` on a device, the head's
+    input gradient (fp32) over the tokens the head runs on (`head_tokens`: a schedule that
+    runs the head in each steady tick counts its runs); under SP (`sequence_parallel`) the
+    final norm's output (compute dtype: `c` bytes) and the lookup's cotangent (fp32)
+    gathered. `table_bytes`: bytes of one element of the table as stored."""
+    out = [("embedding lookup", "reduce", tokens * d_model * max(table_bytes, 4)),
+           ("head input gradient", "reduce", head_tokens * d_model * 4)]
+    if sequence_parallel:
+        out += [("final norm gathered", "gather", head_tokens * d_model * c),
+                ("embedding cotangent gathered", "gather", tokens * d_model * 4)]
+    return out
+
+
 def token_shards(layout):
     """(mesh, manual axes, row spec, length spec): the batch and length axes of the current
     layout that split anything (size > 1), for a shard_map manual over them."""

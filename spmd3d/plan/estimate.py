@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .. import moe, ring
+from .. import moe, ring, vocab
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
@@ -126,17 +126,11 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     experts_auto = m.is_moe and s is not None and t > 1
     add("layers' activations", "reduce-scatter" if sp else "reduce", (TENSOR,), act,
         (fwd + restage) * f + bwd * (f + again) - (fwd + bwd) * experts_auto)
-    # the embedding's lookup (psum of its vocab shards, in fp32: `manual.psum`) and the head's
-    # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
-    # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
-    head_tokens = tokens
-    if s is not None and s.head_inside:
-        head_tokens = n * s.head_runs
-    add("embedding lookup", "reduce", (TENSOR,), tokens * m.d_model * max(pb, F32))
-    add("head input gradient", "reduce", (TENSOR,), head_tokens * m.d_model * F32)
-    if sp:
-        add("final norm gathered", "gather", (TENSOR,), head_tokens * m.d_model * c)
-        add("embedding cotangent gathered", "gather", (TENSOR,), tokens * m.d_model * F32)
+    # the vocabulary's lookup and head (`vocab.traffic`); 1F1B and ZB-H1 run the head in
+    # each steady tick, under a conditional
+    head_tokens = n * s.head_runs if s is not None and s.head_inside else tokens
+    for what, kind, nbytes in vocab.traffic(m.d_model, tokens, head_tokens, pb, c, sp):
+        add(what, kind, (TENSOR,), nbytes)
 
     # an MoE layer's sums over `tensor` and its dispatch over `expert` (`moe.traffic`)
     if m.is_moe:
