@@ -52,3 +52,8 @@ notebook: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info
+
+# make test-planner: the planner's property over a larger sample of drawn layouts (docs/tests.md)
+.PHONY: test-planner
+test-planner: $(VENV)/.installed
+	PLANNER_DRAWS=$${PLANNER_DRAWS:-24} $(PY) -m pytest -q -s -n 0 tests/test_planner_property.py -k drawn $(PYTEST_ARGS)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import grouped
 from .manual import all_gather, psum, psum_scatter, vary, varying
-from .mesh import DATA, EXPERT, SEQ
+from .mesh import DATA, EXPERT, SEQ, TENSOR
 from .sharding import Untrained, current_layout
 from .vocab import token_shards
 
@@ -326,3 +326,45 @@ def update_bias(bias_le, stats_ls, rate: float):
     loads; outside the optimizer (no moments, no weight decay, no learning rate)."""
     loads = stats_ls[:, :-STATS_EXTRA]
     return bias_le + rate * jnp.sign(jnp.mean(loads, axis=1, keepdims=True) - loads)
+
+
+def traffic(m, expert: int, tensor: str, tokens: int, c: int, forwards: float, restaged: float,
+            backwards: float, recomputes: bool) -> list[tuple[str, str, str, float]]:
+    """What MoE layers move in a step, per device, for the planner (`plan.estimate.transfers`):
+    (what, kind, mesh axis, bytes), counted as the compiled step's are; read from the HLO of
+    Mixtral 8x22B's compiled step and the MoE layouts of `tests/test_estimate.py`. `m`: the
+    model config; `expert`: the expert degree; `tensor`: how the layer meets a tensor split,
+    "" (none), "manual" (its shard_map sums the experts' outputs over `tensor` itself, and the
+    transpose its inputs' gradients, in fp32: `manual.psum`) or "auto" (inside a pipeline it
+    keeps `tensor` automatic); `tokens`: a microbatch's on a device; `c`: the compute dtype's
+    bytes; the layer passes a device runs: `forwards`, `restaged` (whole-stage recomputes),
+    `backwards`; `recomputes`: whether a layer's backward recomputes its forward."""
+    f32, out = 4, []
+    if tensor == "manual":  # the extra bytes of summing a narrow float in fp32
+        out.append(("experts' sums, in fp32", "reduce", TENSOR,
+                    tokens * m.d_model * (f32 - c) * (forwards + backwards)))
+    if tensor == "auto":
+        # the compiler reduces the experts' partial sums over every gathered assignment,
+        # [R, D] with R = expert x tokens x min(k, local experts), where the MLP's own
+        # reduction would be: forward once, backward twice (the inputs' gradients of gate and
+        # up) and once more where the backward recomputes the outputs (the router weights'
+        # gradient needs them)
+        rows = expert * tokens * min(m.experts_per_token, m.num_experts // expert)
+        out.append(("experts' partial sums", "reduce", TENSOR, rows * m.d_model * c
+                    * (forwards + restaged + backwards * (2 + recomputes))))
+    if expert > 1:
+        # the tokens all-gathered over `expert` (with their choices: k weights and ids), the
+        # outputs reduce-scattered back, the backward the transposes; the reduce-scatters
+        # sum a narrow float in fp32 (`manual.psum_scatter`, `manual.all_gather`)
+        gathered = expert * tokens * m.d_model * c
+        summed = expert * tokens * m.d_model * max(c, f32)
+        choices = expert * tokens * m.experts_per_token * (f32 + 4)
+        out += [("tokens to the experts", "gather", EXPERT, (gathered + choices)
+                 * (forwards + restaged + backwards * recomputes)),
+                # (a recompute drops it: the backward needs the experts' outputs, not sums)
+                ("experts' outputs back", "reduce-scatter", EXPERT,
+                 summed * (forwards + restaged)),
+                ("tokens' gradients back", "reduce-scatter", EXPERT,
+                 (summed + expert * tokens * m.experts_per_token * f32) * backwards),
+                ("outputs' gradients to the experts", "gather", EXPERT, gathered * backwards)]
+    return out

@@ -313,3 +313,29 @@ def ring_attention(q, k, v, axis: str, mesh, segments=None):
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v, ids)
+
+
+def traffic(ring: int, gathered: bool, kv: float, kv_grads: float, forwards: float,
+            restaged: float, redone: float, backwards: float,
+            inlined: bool) -> list[tuple[str, str, float]]:
+    """What this module's kernels move over `seq` in a step, per device, for the planner
+    (`plan.estimate.transfers`): (what, kind, bytes), counted as the compiled step's are (a
+    permute by the bytes it moves, a gather by those it gathers, a reduce-scatter by those it
+    reduces). `ring`: the seq degree; `gathered`: ZB-H1's kernel, which gathers the sequence's
+    K and V, not the ring; `kv`: one layer pass's K (or V) block on a device, in the compute
+    dtype, `kv_grads` its gradient's bytes in fp32; the layer passes a device runs: `forwards`,
+    `restaged` (whole-stage recomputes), `redone` (forwards a recompute redoes), `backwards`;
+    `inlined`: a loop of one trip is inlined, its unread last shifts dropped (a ring of 2)."""
+    if ring == 1:
+        return []
+    if gathered:  # the whole sequence's K and V gathered again in the backward (a layer's
+        # recompute reuses that gather, a stage's does not), their fp32 gradients
+        # reduce-scattered
+        return [("K, V gathered", "gather", 2 * ring * kv * (forwards + restaged + backwards)),
+                ("dK, dV reduce-scattered", "reduce-scatter", 2 * ring * kv_grads * backwards)]
+    # K and V shift n times in the forward, n - 1 more in a recompute (its first shift is the
+    # backward's), and K, V with their fp32 gradients n times in the backward
+    two = ring == 2 and inlined  # one-step loops: their last shifts of K and V dropped
+    shifts = (1 if two else ring) * forwards + (0 if two else ring - 1) * redone
+    return [("ring K, V", "permute", 2 * kv * (shifts + (ring - two) * backwards)),
+            ("ring dK, dV", "permute", 2 * kv_grads * ring * backwards)]

@@ -72,6 +72,36 @@ def loss_chunks(tokens: int, chunk: int) -> int:
     return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
 
 
+def gradient_sums(head: int, embed: int, out_of_place: bool) -> int:
+    """Bytes per device the vocabulary's two ends hold beyond the head's gradient while their
+    gradients are summed, a cost for the planner (`plan.memory`). The loss's shard_map turns
+    the head device-varying over the token axes (`manual.vary`), and so does a lookup split
+    over `vocab` the table: each microbatch's gradient of the head [D, V/t] and of the table
+    [V/t, D] is whole on every device, fp32, and is all-reduced whole over the token axes (one
+    tuple all-reduce at the microbatch's end) before a ZeRO shard is sliced from it or it is
+    added to the accumulator. `head`, `embed`: bytes of those two gradients (`embed` 0 where
+    the lookup is a plain gather); `out_of_place`: the sums' results take buffers of their own
+    (`quirks.all_reduce_out_of_place`)."""
+    return embed + (head + embed) * out_of_place
+
+
+def traffic(d_model: int, tokens: int, head_tokens: int, table_bytes: int, c: int,
+            sequence_parallel: bool) -> list[tuple[str, str, float]]:
+    """What the vocabulary's two ends move over `tensor` in a step, per device, for the
+    planner (`plan.estimate.transfers`): (what, kind, bytes). The lookup's psum of its vocab
+    shards (in fp32 at least: `manual.psum`) over the step's `tokens` on a device, the head's
+    input gradient (fp32) over the tokens the head runs on (`head_tokens`: a schedule that
+    runs the head in each steady tick counts its runs); under SP (`sequence_parallel`) the
+    final norm's output (compute dtype: `c` bytes) and the lookup's cotangent (fp32)
+    gathered. `table_bytes`: bytes of one element of the table as stored."""
+    out = [("embedding lookup", "reduce", tokens * d_model * max(table_bytes, 4)),
+           ("head input gradient", "reduce", head_tokens * d_model * 4)]
+    if sequence_parallel:
+        out += [("final norm gathered", "gather", head_tokens * d_model * c),
+                ("embedding cotangent gathered", "gather", tokens * d_model * 4)]
+    return out
+
+
 def token_shards(layout):
     """(mesh, manual axes, row spec, length spec): the batch and length axes of the current
     layout that split anything (size > 1), for a shard_map manual over them."""

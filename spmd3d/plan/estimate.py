@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 
+from .. import moe, ring, vocab
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
-                     state_bytes, UNTRAINED)
+                     state_bytes, untrained)
 from ..units import gb
 from . import quirks
 from .quirks import applies
@@ -125,62 +126,25 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     experts_auto = m.is_moe and s is not None and t > 1
     add("layers' activations", "reduce-scatter" if sp else "reduce", (TENSOR,), act,
         (fwd + restage) * f + bwd * (f + again) - (fwd + bwd) * experts_auto)
-    # the embedding's lookup (psum of its vocab shards, in fp32: `manual.psum`) and the head's
-    # input gradient (fp32); under SP the final norm's output and the embedding's cotangent
-    # gathered; 1F1B and ZB-H1 run the head in each steady tick, under a conditional
-    head_tokens = tokens
-    if s is not None and s.head_inside:
-        head_tokens = n * s.head_runs
-    add("embedding lookup", "reduce", (TENSOR,), tokens * m.d_model * max(pb, F32))
-    add("head input gradient", "reduce", (TENSOR,), head_tokens * m.d_model * F32)
-    if sp:
-        add("final norm gathered", "gather", (TENSOR,), head_tokens * m.d_model * c)
-        add("embedding cotangent gathered", "gather", (TENSOR,), tokens * m.d_model * F32)
+    # the vocabulary's lookup and head (`vocab.traffic`); 1F1B and ZB-H1 run the head in
+    # each steady tick, under a conditional
+    head_tokens = n * s.head_runs if s is not None and s.head_inside else tokens
+    for what, kind, nbytes in vocab.traffic(m.d_model, tokens, head_tokens, pb, c, sp):
+        add(what, kind, (TENSOR,), nbytes)
 
-    # an MoE layer sums its experts' outputs over `tensor` itself (and the transpose its
-    # inputs' gradients), in fp32; inside a pipeline it keeps `tensor` automatic, and the
-    # compiler reduces the experts' partial sums over every gathered assignment, [R, D] with
-    # R = expert x tokens x min(k, local experts), where the MLP's own reduction would be:
-    # forward once, backward twice (the inputs' gradients of gate and up) and once more
-    # where the backward recomputes the outputs (the router weights' gradient needs them);
-    # read from the HLO of Mixtral 8x22B's compiled step
-    ep = deg.expert
-    if m.is_moe and s is None and t > 1:  # (`manual.psum` sums a narrow float in fp32)
-        add("experts' sums, in fp32", "reduce", (TENSOR,), act * (F32 - c) // c, fwd + bwd)
-    if experts_auto:
-        rows = ep * n * min(m.experts_per_token, m.num_experts // ep)
-        add("experts' partial sums", "reduce", (TENSOR,), rows * m.d_model * c,
-            fwd + restage + bwd * (2 + (remat != "none")))
+    # an MoE layer's sums over `tensor` and its dispatch over `expert` (`moe.traffic`)
+    if m.is_moe:
+        how = "auto" if experts_auto else "manual" if s is None and t > 1 else ""
+        for what, kind, axis, nbytes in moe.traffic(m, deg.expert, how, n, c, fwd, restage,
+                                                    bwd, remat != "none"):
+            add(what, kind, (axis,), nbytes)
 
-    # expert: an MoE layer all-gathers its tokens (with their choices: k weights and ids) over
-    # `expert` and reduce-scatters the outputs back; the backward runs the transposes. The
-    # reduce-scatters sum a narrow float in fp32 (`manual.psum_scatter`, `manual.all_gather`)
-    if m.is_moe and ep > 1:
-        gathered = ep * n * m.d_model * c
-        summed = ep * n * m.d_model * max(c, F32)
-        choices = ep * n * m.experts_per_token * (F32 + 4)
-        add("tokens to the experts", "gather", (EXPERT,), gathered + choices,
-            fwd + restage + bwd * (remat != "none"))
-        # (a recompute drops it: the backward needs the experts' outputs, not their sums)
-        add("experts' outputs back", "reduce-scatter", (EXPERT,), summed, fwd + restage)
-        add("tokens' gradients back", "reduce-scatter", (EXPERT,),
-            summed + ep * n * m.experts_per_token * F32, bwd)
-        add("outputs' gradients to the experts", "gather", (EXPERT,), gathered, bwd)
-
-    # seq: the ring shifts K and V n times in the forward, n - 1 more in a recompute (its first
-    # shift is the backward's), and K, V with their fp32 gradients n times in the backward
-    kv = n * w.kv * c
+    # seq: what the ring (or ZB-H1's gather) moves (`ring.traffic`)
     inlined = applies("one_trip_loops_inlined")
-    if q > 1 and plan.attention == "gather":  # ZB-H1: the whole sequence's K and V gathered
-        # again in the backward (a layer's recompute reuses that gather, a stage's does not),
-        # their fp32 gradients reduce-scattered
-        add("K, V gathered", "gather", (SEQ,), 2 * q * kv, fwd + restage + bwd)
-        add("dK, dV reduce-scattered", "reduce-scatter", (SEQ,), 2 * q * n * w.kv * F32, bwd)
-    elif q > 1:
-        two = q == 2 and inlined  # one-step loops: their last shifts of K and V dropped
-        shifts = (1 if two else q) * fwd + (0 if two else q - 1) * (fwd * redone(plan))
-        add("ring K, V", "permute", (SEQ,), 2 * kv, shifts + (q - two) * bwd)
-        add("ring dK, dV", "permute", (SEQ,), 2 * n * w.kv * F32, q * bwd)
+    for what, kind, nbytes in ring.traffic(q, plan.attention == "gather", n * w.kv * c,
+                                           n * w.kv * F32, fwd, restage, fwd * redone(plan),
+                                           bwd, inlined):
+        add(what, kind, (SEQ,), nbytes)
 
     # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
     if s is not None:
@@ -196,6 +160,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # in a pipeline (the shard_map sums its fp32 weights' cotangent); the embedding in fp32;
     # the head in fp32 (summed inside the loss's or the schedule's shard_map: `manual.vary`)
     shapes = param_shapes(m, len(plan.layer_order))
+    skip = untrained(m, len(plan.layer_order))
     sharded = rules.grads_over_batch and d > 1
     times = plan.accum_steps if applies("reduce_inside_accumulation") else 1
 
@@ -204,7 +169,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
 
     blocks = [k for k in shapes if k.startswith("blocks/")]
     experts = [k for k in blocks if "experts" in shapes[k][1]]  # split over `expert` already
-    fp32 = [k for k in blocks if "norm" in k or k.endswith(("router",) + UNTRAINED)]
+    fp32 = [k for k in blocks if "norm" in k or k.endswith("router") or k in skip]
     # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
     # `manual.vary`)
     for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, (DATA,))):
@@ -243,7 +208,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
         g = pb if s is not None else c
-        dense = [k for k in blocks if k not in experts and not k.endswith(UNTRAINED)]
+        dense = [k for k in blocks if k not in experts and k not in skip]
         add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * g, uses)
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
             uses)

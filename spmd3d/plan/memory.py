@@ -6,7 +6,7 @@ tracing it on abstract shapes: no devices, nothing compiled.
 
 Memory per device, by kind:
 * parameters, optimizer state (Adam's two moments), gradients (fp32): each parameter's shard
-  under its ZeRO table (`param_shapes` mirrors `model.Transformer`; a test holds them equal);
+  under its ZeRO table (`param_shapes`: the model's own abstract state);
 * saved activations: what the backward keeps of a layer, asked of the layer itself
   (`residuals.py`: its vjp traced at one device's share, per remat policy and kernel) times
   the layer passes alive at the peak (`activation_bytes`: one microbatch without a pipeline,
@@ -16,13 +16,22 @@ Memory per device, by kind:
   the MLP recomputed, gone by then), and under ZeRO-2/3 the layer's weights and their gradient
   whole over data (`layer_weights`);
 * pipeline buffers, logits/loss and the layers ZeRO-3 gathers for a pipelined step
-  (`working_terms`, which the compiled report's breakdown uses too).
+  (`working_terms`, which the compiled report's breakdown uses too);
+* the vocabulary's gradients without a pipeline, where they are kept apart from the step's
+  (ZeRO-2/3 shards, an accumulator): the head's and (a lookup split over vocab) the table's
+  whole until their sum over the token axes (`vocab_terms`), and the casts hoisted out of
+  the accumulation loop (`hoisted_casts`).
+
+Without a pipeline the temporaries peak in one of three phases, each with what is live in it:
+the loss's backward (every saved activation, the loss's piece, the head's gradient built over
+the pieces), a layer's backward, and the vocabulary's sums after the last layer's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..config import ModelConfig
 from . import residuals
@@ -35,47 +44,35 @@ def itemsize(dtype: str) -> int:
     return 2 if dtype in ("bfloat16", "float16") else 4
 
 
+@lru_cache(maxsize=64)
+def _inventory(m: ModelConfig, layers: int) -> tuple[dict, frozenset]:
+    """({parameter key: (global shape, logical names)}, the keys of state the optimizer does
+    not train) of the model with `layers` stored layer slots, read from the model's own
+    abstract state (`model.abstract_model`: nothing allocated): its shapes, its logical
+    names, and `sharding.Untrained` by type (the router's state, FP8's)."""
+    from flax import nnx
+
+    from ..model import abstract_model
+    from ..sharding import Untrained
+    from ..store import flat
+
+    order = tuple(range(m.num_layers)) + (-1,) * (layers - m.num_layers)  # -1: a padding slot
+    _, params = abstract_model(m, order)
+    variables = flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    shapes = {k: (tuple(v.shape), tuple(v.get_metadata("axes"))) for k, v in variables.items()}
+    return shapes, frozenset(k for k, v in variables.items() if isinstance(v, Untrained))
+
+
 def param_shapes(m: ModelConfig, layers: int) -> dict:
     """{parameter key: (global shape, logical names)} of the model with `layers` stored
-    layers, as `model.Transformer` builds them."""
-    d, k, g, h, f, v = (m.d_model, m.num_kv_heads, m.num_heads // m.num_kv_heads,
-                        m.dim_per_head, m.d_ff, m.vocab_size)
-    stacked = {
-        "attn_norm/scale": ((d,), ("norm",)),
-        "attn/w_qkv": ((d, k, g + 2, h), ("embed", "kv_heads", "q_per_kv", "head_dim")),
-        "attn/w_o": ((k, g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed")),
-        "mlp_norm/scale": ((d,), ("norm",)),
-        "mlp/w_gate_up": ((d, 2, f), ("embed", "gate_up", "mlp")),
-        "mlp/w_down": ((f, d), ("mlp", "embed")),
-    }
-    if m.qk_norm:
-        stacked.update({f"attn/{n}": ((h,), ("head_dim",)) for n in ("q_norm", "k_norm")})
-    if m.is_moe:  # model.MoE's: the router, the experts stacked [E, ...], the router state
-        e, fe, shared = m.num_experts, m.expert_width, m.shared_experts * m.expert_width
-        del stacked["mlp/w_gate_up"], stacked["mlp/w_down"]
-        stacked.update({
-            "mlp/router": ((d, e), ("embed", "routes")),
-            "mlp/w_gate_up": ((e, d, 2, fe), ("experts", "expert_embed", "gate_up", "mlp")),
-            "mlp/w_down": ((e, fe, d), ("experts", "mlp", "expert_embed")),
-            **{key: (shape, ("routes",)) for key, shape in ROUTER_STATE(e).items()}})
-        if shared:
-            stacked.update({"mlp/shared/w_gate_up": ((d, 2, shared), ("embed", "gate_up", "mlp")),
-                            "mlp/shared/w_down": ((shared, d), ("mlp", "embed"))})
-    stacked.update({key: (shape, ("fp8",) * 3) for key, shape in m.fp8_state.items()})
-    out = {"embed": ((v, d), ("vocab", "embed"))}
-    out.update({f"blocks/{key}": ((layers, *shape), ("layers", *names))
-                for key, (shape, names) in stacked.items()})
-    out.update({"final_norm/scale": ((d,), ("norm",)), "head": ((d, v), ("embed", "vocab"))})
-    return out
+    layer slots, as `model.Transformer` builds them (`_inventory`)."""
+    return _inventory(m, layers)[0]
 
 
-# the keys of `Untrained` state (the router's, FP8's): no optimizer moments
-UNTRAINED = ("mlp/bias", "mlp/probe", "fp8/history", "fp8/probe")
-
-
-def ROUTER_STATE(e: int) -> dict:  # noqa: N802 -- a table, by expert count
-    """The MoE layer's router state (`moe.RouterState`): parameters the optimizer skips."""
-    return {"mlp/bias": (e,), "mlp/probe": (e + 3,)}  # moe.stats_size (no jax here)
+def untrained(m: ModelConfig, layers: int) -> frozenset:
+    """The keys of `param_shapes` that the optimizer does not train (`sharding.Untrained`:
+    no moments)."""
+    return _inventory(m, layers)[1]
 
 
 def _axes(rule) -> tuple:
@@ -95,11 +92,12 @@ def state_bytes(plan) -> dict:
     `footprint.state_terms` reads from the shardings, without them."""
     mesh, rules = dict(plan.mesh.shape), plan.rules
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
+    skip = untrained(plan.cfg.model, len(plan.layer_order))
     pbytes = itemsize(plan.cfg.model.param_dtype)
 
     def total(table, size, trained=False):
         return sum(shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
-                   if not (trained and k.endswith(UNTRAINED))) * size
+                   if not (trained and k in skip)) * size
 
     moments = plan.cfg.optim.moment_dtype
     return {"parameters": total(rules.params, pbytes),
@@ -119,25 +117,31 @@ def gathered_layers(plan) -> int:
     return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
 
 
-def stage_layers(plan) -> int:
-    """Elements of the layers a device computes with (its compute shard)."""
+def stage_layers(plan, experts: bool = True) -> int:
+    """Elements of the layers a device computes with (its compute shard); the routed
+    experts' weights too unless `experts` is false."""
     mesh = dict(plan.mesh.shape)
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
     return sum(shard_size(s, names, plan.rules.compute, mesh)
-               for k, (s, names) in shapes.items() if k.startswith("blocks/"))
+               for k, (s, names) in shapes.items()
+               if k.startswith("blocks/") and (experts or "experts" not in names))
 
 
 def layer_weights(plan) -> int:
-    """Per-device bytes of one layer's weights while its backward runs, when ZeRO splits them
-    over data and no pipeline gathers its stage for the step: under ZeRO-3 the layer gathered
-    in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
-    compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
-    rules = plan.rules
-    if plan.schedule is not None or plan.degrees.batch == 1 or not rules.grads_over_batch:
+    """Per-device bytes of one layer's weights while its backward runs, without a pipeline:
+    the layer in the compute dtype, gathered under ZeRO-3, else sliced out of the stacked
+    weights (a copy; a stack of one layer is the layer itself, in fp32 compute); under ZeRO-2
+    and 3 also its weights' gradient whole over data, in the compute dtype as the matmuls give
+    it and in fp32, before its reduce-scatter. The routed experts' weights are not sliced:
+    their shard_map reads them from the stack."""
+    rules, split = plan.rules, plan.degrees.batch > 1
+    if plan.schedule is not None:
         return 0
-    c = itemsize(plan.cfg.model.dtype)
-    layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
-    return layer * ((c if rules.params_over_batch else 0) + c + F32)
+    c, slots = itemsize(plan.cfg.model.dtype), len(plan.layer_order)
+    whole, dense = stage_layers(plan) // slots, stage_layers(plan, experts=False) // slots
+    copy = (whole if rules.params_over_batch and split else
+            dense if plan.layers_per_stage > 1 else 0) * c
+    return copy + (whole * (c + F32) if split and rules.grads_over_batch else 0)
 
 
 def expert_gradients(plan) -> int:
@@ -153,6 +157,62 @@ def expert_gradients(plan) -> int:
     shapes = param_shapes(m, len(plan.layer_order))
     return sum(shard_size(*shapes[k], rules.compute, mesh) for k in ("blocks/mlp/w_gate_up",
                                                                      "blocks/mlp/w_down")) * F32
+
+
+def hoisted_casts(plan) -> int:
+    """Accumulating microbatches without a pipeline: the head cast to a narrower compute dtype
+    once, before the loop (XLA hoists a loop-invariant cast out of it), and held for all its
+    trips; so are the layers' when a device's stack is one layer (its loop of one trip is
+    inlined, the cast no longer depends on the layer index), unless ZeRO-3 gathers them per
+    use (`layer_weights`)."""
+    m, rules = plan.cfg.model, plan.rules
+    c = itemsize(m.dtype)
+    if plan.schedule is not None or plan.accum_steps == 1 or c >= itemsize(m.param_dtype):
+        return 0
+    mesh = dict(plan.mesh.shape)
+    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), rules.compute, mesh)
+    inlined = plan.layers_per_stage == 1 and applies("one_trip_loops_inlined")
+    layers = stage_layers(plan) if inlined and not rules.params_over_batch else 0
+    return (head + layers) * (F32 if applies("narrow_casts_in_fp32") else c)
+
+
+def vocab_terms(plan) -> dict:
+    """Without a pipeline, per-device bytes of the vocabulary's two ends beyond the loss's
+    piece and the head's gradient (`memory`), read from the compiled steps' buffers. The
+    loss's shard_map makes the head's gradient whole on every device, and a lookup split over
+    vocab (tensor > 1) the table's, fp32; both are summed over the token axes."""
+    from ..vocab import gradient_sums
+
+    m, rules, deg = plan.cfg.model, plan.rules, plan.degrees
+    terms = dict.fromkeys(("table_gradient", "late_shards", "vocab_sums", "gathered_head"), 0)
+    if plan.schedule is not None:
+        return terms
+    mesh = dict(plan.mesh.shape)
+
+    def shard(table):  # elements of the head's (and the table's) shard under `table`
+        return shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), table, mesh)
+
+    split, whole = deg.tensor > 1, shard(rules.compute) * F32
+    sharded = rules.grads_over_batch and deg.batch > 1
+    if plan.accum_steps == 1 and sharded:
+        # ZeRO-2/3: the table's whole gradient, whose zero base is made at the step's start
+        # and held to the lookup's backward, the step's last; the two gradients' ZeRO shards
+        # are sliced from the whole ones at the end (bytes of `gradients` not there till then)
+        terms["table_gradient"] = whole if split else 0
+        terms["late_shards"] = (1 + split) * shard(rules.grads) * F32
+    if plan.accum_steps > 1 and deg.batch * deg.seq > 1:  # each microbatch's sums
+        terms["vocab_sums"] = gradient_sums(whole, whole if split else 0,
+                                            applies("all_reduce_out_of_place"))
+    if rules.params_over_batch and deg.batch > 1:  # ZeRO-3: the head gathered for the loss
+        terms["gathered_head"] = shard(rules.compute) * (
+            F32 if applies("narrow_casts_in_fp32") else itemsize(m.dtype))
+    return terms
+
+
+def _apart(plan) -> bool:
+    """Whether a microbatch's gradients are buffers apart from the step's: sharded over the
+    batch's devices (ZeRO-2/3), or accumulated."""
+    return (plan.rules.grads_over_batch and plan.degrees.batch > 1) or plan.accum_steps > 1
 
 
 def working_terms(plan) -> dict:
@@ -278,11 +338,16 @@ def memory(plan) -> dict:
     s, m, mesh = plan.schedule, plan.cfg.model, dict(plan.mesh.shape)
     head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute,
                       mesh) * F32
-    # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
-    # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
+    # the head's gradient accumulated whole per device: by the loss's pieces where it is kept
+    # apart from the step's (ZeRO-2/3 shards, an accumulator), by the schedule's microbatches
+    # under 1F1B or ZB-H1
+    apart = s is None and _apart(plan)
     sharded = plan.rules.grads_over_batch and plan.degrees.batch > 1
-    kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
-                                                          else 0)
+    kinds["head_gradients"] = (head if (apart if s is None else sharded) else 0) + (
+        2 * head if s and s.head_inside else 0)
+    vocab = vocab_terms(plan)
+    kinds.update(table_gradient=vocab["table_gradient"], vocab_sums=vocab["vocab_sums"],
+                 hoisted_casts=hoisted_casts(plan))
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
@@ -299,12 +364,25 @@ def memory(plan) -> dict:
         peak = loss + layer
     elif s is not None:  # GPipe's backward, autodiff of its slot loop
         peak = max(loss, layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
-    else:
-        peak = max(loss, layer)
+    else:  # the loss's backward, the layers', then the vocabulary's gradients summed
+        saved, head_g = kinds["saved_activations"], kinds["head_gradients"]
+        # the head's gradient, summed, is held whole to the update (which slices a ZeRO shard
+        # of it); an accumulated microbatch's is added to the accumulator after its sum, which
+        # waits for the table's (one all-reduce) where the lookup is split over vocab
+        waits = plan.accum_steps == 1 or (deg.tensor > 1 and deg.batch * deg.seq > 1
+                                          and applies("all_reduces_combined"))
+        # (one loss piece: its head gradient is made once the piece's logits are gone)
+        from ..vocab import loss_chunks
+
+        pieces = loss_chunks(plan.tokens_per_microbatch, plan.cfg.parallel.loss_chunk)
+        loss += vocab["gathered_head"]
+        peak = max(saved + (head_g + loss if pieces > 1 else max(head_g, loss)),
+                   saved + head_g * waits + layer,
+                   head_g + kinds["vocab_sums"]) - saved - head_g
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["head_gradients"] + kinds["expert_gradients"]
-            + peak)
+            + kinds["hoisted_casts"] + kinds["table_gradient"] - vocab["late_shards"] + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
     return {"by_kind": kinds, "argument_bytes": args, "temp_bytes": temp,
             "needed_bytes": args + temp}

@@ -1,0 +1,66 @@
+"""The planner's property: for layouts drawn at random over the whole space (`layouts.py`), at
+real widths, the analytic bytes a device needs are within 5 % of the compiled step's and never
+more than 3 % under them (an estimate that is low sends a job out of memory).
+
+`make test` compiles a fixed sample of draws (SAMPLE); `make test-planner` a larger one, of
+`PLANNER_DRAWS` seeds (default 24) from `PLANNER_SEED` (default 1):
+
+    PLANNER_DRAWS=40 .venv/bin/python -m pytest -q -s tests/test_planner_property.py -k drawn
+
+prints each draw's ratio. Each compile takes a few to tens of seconds on one core."""
+
+import os
+
+import pytest
+
+from helpers import bpe_dir
+from layouts import TOPOLOGY, describe, draw
+from spmd3d import config, footprint
+from spmd3d.plan import Plan
+from spmd3d.plan import memory as plan_memory
+
+LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
+
+# a few draws for `make test` (`describe(draw(seed))` names each); those the estimate misses
+# today are expected to fail, with the ratio measured, until the estimate is fixed
+KNOWN: dict[int, str] = {}  # seed: the ratio measured and the layout
+SAMPLE = [pytest.param(seed, marks=pytest.mark.xfail(reason=KNOWN[seed], strict=True))
+          if seed in KNOWN else seed for seed in (2, 4, 13, 15)]
+FIRST = int(os.environ.get("PLANNER_SEED", 1))
+LARGER = range(FIRST, FIRST + int(os.environ.get("PLANNER_DRAWS", 24)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return str(bpe_dir(tmp_path_factory.mktemp("tok")))
+
+
+def ratio(args: list[str]) -> tuple[float, dict, dict]:
+    """(analytic needed / compiled needed, the analytic memory, the compiled record)."""
+    cfg = config.load(None, args)
+    compiled = footprint.measure(cfg, TOPOLOGY)
+    plan = Plan.resolve(footprint.compiled_layout(cfg, compiled["devices"])[0],
+                        topology=TOPOLOGY)
+    mem = plan_memory.memory(plan)
+    return mem["needed_bytes"] / compiled["needed_bytes"], mem, compiled
+
+
+def check(seed: int, tokenizer: str) -> None:
+    args, _ = draw(seed, tokenizer)
+    r, mem, compiled = ratio(args)
+    line = (f"seed {seed}: needed analytic/compiled {r:.3f} (temp {mem['temp_bytes'] / 1e9:.2f}"
+            f" / {compiled['compiled']['temp_bytes'] / 1e9:.2f} GB, compiled in "
+            f"{compiled['compile_s']:.0f} s): {describe(args)}")
+    print(line)
+    assert LOW <= r <= HIGH, line
+
+
+@pytest.mark.parametrize("seed", SAMPLE)
+def test_sampled_layouts_need_what_the_compiled_step_needs(seed, tokenizer):
+    check(seed, tokenizer)
+
+
+@pytest.mark.skipif("PLANNER_DRAWS" not in os.environ, reason="make test-planner")
+@pytest.mark.parametrize("seed", LARGER)
+def test_drawn_layouts_need_what_the_compiled_step_needs(seed, tokenizer):
+    check(seed, tokenizer)
