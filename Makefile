@@ -1,6 +1,7 @@
 # make train: trains the demo model (simulated CPU devices when there is no GPU)
 # make test:  the test suite on 8 simulated CPU devices
 # make test-fast: each feature once (tests/conftest.py FAST), a few minutes
+# make test-planner: the planner's estimate against the compiled step on 24 drawn layouts
 # make bench: throughput / compile time / memory of a named config and mesh (BENCH_ARGS=...)
 # make notebook: opens notebooks/small_meshes.ipynb in JupyterLab (installed into .venv on first use)
 # make versions: the Python and jax that .venv runs
@@ -19,7 +20,7 @@ endif
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 STAMP := $(VENV)/.installed-python$(PYVER)
 
-.PHONY: train test test-fast bench notebook versions clean
+.PHONY: train test test-fast test-planner bench notebook versions clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYVER)" || { echo "$(PYTHON) does not run"; exit 1; }
@@ -53,7 +54,6 @@ notebook: $(STAMP)
 clean:
 	rm -rf $(VENV) runs *.egg-info
 
-# make test-planner: the planner's property over a larger sample of drawn layouts (docs/tests.md)
-.PHONY: test-planner
-test-planner: $(VENV)/.installed
+# the planner's property over a larger sample of drawn layouts (docs/tests.md)
+test-planner: $(STAMP)
 	PLANNER_DRAWS=$${PLANNER_DRAWS:-24} $(PY) -m pytest -q -s -n 0 tests/test_planner_property.py -k drawn $(PYTEST_ARGS)
