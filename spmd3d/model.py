@@ -23,11 +23,11 @@ from jax.sharding import PartitionSpec as P
 from . import fp8, moe
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
-from .manual import psum, unroll, vary
+from .manual import per_device, psum, unroll, vary
 from .rope import apply_rope, rope_frequencies, rope_tables
 from .swiglu import swiglu
 from .ops import Ops, apply_block
-from .vocab import backward_after, embed_lookup, head_logits, loss_chunks, token_shards
+from .vocab import backward_after, embed_lookup, head_logits, loss_chunks
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        use_param)
 
@@ -358,21 +358,19 @@ class Transformer(nnx.Module):
             return backward_after(jax.lax.scan(piece, total, (x, labels.reshape(n, -1)),
                                                unroll=unroll())[0])
 
-        layout = current_layout()
-        mesh, manual, rows, cols = (None, (), None, None) if layout is None else token_shards(layout)
+        shards = per_device(current_layout())
+        manual = shards.axes
         if not manual:  # one device's tokens are all of them
             return local(x_btd, labels_bt, scale, head), labels_bt.size
-        inner = layout.compute.with_(batch=None, length=None, res_length=None)
 
-        def per_device(x, labels, scale, head):
+        def one_device(x, labels, scale, head):
             # the head's gradient, summed over the token shards, is summed in fp32
             scale, head = vary(scale, manual), vary(head, manual)
-            with activation_rules(inner, None):
+            with activation_rules(shards.inner, None):
                 return psum(local(x, labels, scale, head), manual)
 
-        total = jax.shard_map(per_device, mesh=mesh, axis_names=set(manual),
-                              in_specs=(P(rows, cols, None), P(rows, cols), P(), P()),
-                              out_specs=P())(x_btd, labels_bt, scale, head)
+        total = shards(one_device, (shards.spec(None), shards.spec(), P(), P()),
+                       P())(x_btd, labels_bt, scale, head)
         return total, labels_bt.size
 
     def canonical_blocks(self):
