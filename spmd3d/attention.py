@@ -148,10 +148,7 @@ def _per_device(kernel, q, k, v, segments):
     is also why it does not run nested in a pipeline's shard_map, see `choose`.)"""
     shards = per_device(current_layout(), extra="kv_heads")
     qs, ks = shards.spec(shards.extra, None, None), shards.spec(shards.extra, None)
-    extra = () if segments is None else (segments,)
-    return shards(lambda q, k, v, *i: kernel(q, k, v, *i or (None,)),
-                  (qs, ks, ks) + (shards.spec(),) * len(extra), qs,
-                  check_vma=False)(q, k, v, *extra)
+    return shards(kernel, (qs, ks, ks, shards.spec()), qs, check_vma=False)(q, k, v, segments)
 
 
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,

@@ -255,8 +255,7 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
                              prevent_cse=False)
-    consts = tuple(model.rope(positions)) + (() if segments is None else (segments,))
-    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), consts)
+    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), model.rope(positions, segments))
     return model.loss(x, labels, par.loss_chunk)
 
 
