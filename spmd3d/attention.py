@@ -40,11 +40,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax.sharding import PartitionSpec as P
-
+from .manual import per_device
 from .ring import gathered_attention_local, ring_attention, ring_attention_local
 from .schema import ConfigError
-from .sharding import current_layout, mesh_axes
+from .sharding import current_layout
 
 KINDS = ("blocked", "cudnn", "pallas", "ring", "gather")
 SPLIT = ("ring", "gather")  # the kinds that run with T split over the `seq` axis
@@ -147,23 +146,9 @@ def _per_device(kernel, q, k, v, segments):
     to XLA every device would gather the whole batch and all heads and run them all. (Pallas's
     jax kernel declares no varying axes for its outputs, so the map does not check them; that
     is also why it does not run nested in a pipeline's shard_map, see `choose`.)"""
-    layout = current_layout()
-    if layout is None:
-        return kernel(q, k, v, segments)
-    mesh = layout.mesh
-
-    def spec(*names):
-        return P(*(layout.splitting(n) for n in names))
-
-    qs = spec("batch", "length", "kv_heads", "q_per_kv", "head_dim")
-    ks, ids = spec("batch", "length", "kv_heads", "head_dim"), spec("batch", "length")
-    axes = {a for s in (qs, ks, ids) for e in s for a in mesh_axes(e)}
-    if not axes:
-        return kernel(q, k, v, segments)
-    extra = () if segments is None else (segments,)
-    return jax.shard_map(lambda q, k, v, *i: kernel(q, k, v, *i or (None,)), mesh=mesh,
-                         in_specs=(qs, ks, ks) + (ids,) * len(extra), out_specs=qs,
-                         axis_names=axes, check_vma=False)(q, k, v, *extra)
+    shards = per_device(current_layout(), extra="kv_heads")
+    qs, ks = shards.spec(shards.extra, None, None), shards.spec(shards.extra, None)
+    return shards(kernel, (qs, ks, ks, shards.spec()), qs, check_vma=False)(q, k, v, segments)
 
 
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,

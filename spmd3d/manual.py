@@ -6,6 +6,9 @@ the loss's pieces): the bottom of the package, importing nothing of it.
   axis (its cotangent reduce-scattered), and a sum scattered along dim 0; every sum of a float
   narrower than 32 bits, forward or backward, runs in fp32;
 - `select`, `store_if`: a scalar-predicated choice and buffer write that keep no mask;
+- `per_device`: a shard_map manual over the mesh axes that split a layout's tokens, the
+  specs and rules that go with it (the loss, the lookup, the MoE layer, the Pallas kernel);
+  `without`: a rules table with mesh axes dropped, the rules inside such a map;
 - `unrolled_loops` / `unroll`: trace the loops unrolled, for FLOP checks of a schedule.
 """
 
@@ -13,10 +16,16 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .mesh import DATA, EXPERT, SEQ
+
+TOKEN_AXES = (DATA, EXPERT, SEQ)  # the mesh axes that split tokens
 
 _UNROLL = contextvars.ContextVar("spmd3d_unroll", default=False)
 
@@ -130,3 +139,58 @@ def store_if(pred, buffer, slot, value, axis: int):
     """`buffer` with `value` in `slot` along `axis` where `pred` holds, as it was elsewhere."""
     old = jax.lax.dynamic_index_in_dim(buffer, slot, axis, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(buffer, select(pred, value, old), slot, axis)
+
+
+def without(rules, axes):
+    """`rules` (a `sharding.Rules`) with the mesh `axes` dropped from every name: the rules
+    inside a shard_map manual over them (`res_length` over (seq, tensor) keeps `tensor`, and
+    `experts` goes whole where its `expert` axis is manual)."""
+    def drop(v):
+        left = tuple(a for a in (v if isinstance(v, tuple) else (v,)) if a and a not in axes)
+        return left if len(left) > 1 else left[0] if left else None
+
+    return rules.with_(**{name: drop(v) for name, v in rules.table})
+
+
+@dataclass(frozen=True)
+class PerDevice:
+    """A shard_map manual over the axes that split a layout's tokens (`per_device`)."""
+
+    mesh: object = None
+    axes: tuple = ()  # the axes it goes manual over; none: no map, the code runs as it is
+    tokens: tuple = ()  # the token axes manual inside: `axes`'s, and an enclosing map's
+    rows: object = None  # the spec entries of a [B, T] array's two dims
+    cols: object = None
+    extra: tuple | None = None  # the axes that split the `extra` name (None: whole)
+    inner: object = None  # the compute rules inside: `axes` dropped
+
+    def spec(self, *rest) -> P:
+        """The spec of a [B, T, ...] array: its tokens split, `rest` for the other dims."""
+        return P(self.rows, self.cols, *rest)
+
+    def __call__(self, fn, in_specs, out_specs, **kwargs):
+        """`fn` as a per-device view over `axes` (`fn` itself where there are none)."""
+        if not self.axes:
+            return fn
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=set(self.axes), **kwargs)
+
+
+def per_device(layout, x=None, extra: str | None = None) -> PerDevice:
+    """The shard_map that runs code per device over the mesh axes that split the tokens in
+    `layout` (a `sharding.Layout`, or None: no map), the batch's and the length's of size > 1,
+    and, with `extra`, those that split that logical name as well (`kv_heads`, `mlp`,
+    `vocab`). Inside another shard_map (a pipeline's: `x`, the code's token array, varies
+    over its manual axes) the axes it made manual stay so and count among `tokens`, and
+    `extra` stays automatic: a shard_map of its own, nested in ZB-H1's per-stage branches,
+    does not lower; a layout without a mesh (inside one) maps over the context mesh."""
+    if layout is None:
+        return PerDevice()
+    mesh = layout.mesh or jax.sharding.get_abstract_mesh()
+    rows, cols = (layout.splitting(n, mesh) for n in ("batch", "length"))
+    outer = varying(jax.typeof(x)) if x is not None else frozenset()
+    extra = None if extra is None or outer else layout.splitting(extra, mesh)
+    tokens = (rows or ()) + (cols or ())
+    axes = tokens + (extra or ())
+    return PerDevice(mesh, axes, tokens + tuple(a for a in outer if a in TOKEN_AXES), rows,
+                     cols, extra, without(layout.compute, axes))

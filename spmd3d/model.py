@@ -23,11 +23,11 @@ from jax.sharding import PartitionSpec as P
 from . import fp8, moe
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
-from .manual import psum, unroll, vary
-from .rope import apply_rope, rope_frequencies, rope_tables
+from .manual import per_device, psum, unroll, vary
+from .rope import Positions, apply_rope, rope_frequencies, rope_tables
 from .swiglu import swiglu
-from .ops import Ops, apply_block
-from .vocab import backward_after, embed_lookup, head_logits, loss_chunks, token_shards
+from .ops import Ops
+from .vocab import backward_after, embed_lookup, head_logits, loss_chunks
 from .sharding import (Param, activation_rules, constrain, current_layout, is_param_relayout,
                        use_param)
 
@@ -116,7 +116,7 @@ class Attention(nnx.Module):
                           out_std, cfg.param_dtype)
         self.fp8 = fp8.meta(len(self.PROJECTIONS), cfg)
 
-    def __call__(self, x_btd, cos, sin, ops: Ops, segments=None):
+    def __call__(self, x_btd, pos: Positions, ops: Ops):
         qkv = _project(self, "qkv", x_btd, ops)
         # a split (not three slices): its transpose is one concatenate, not pads and adds
         q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
@@ -125,15 +125,16 @@ class Attention(nnx.Module):
             with jax.named_scope("norm"):
                 q = rms_norm(q, _use(self.q_norm, jnp.float32), self.eps)
                 k = rms_norm(k, _use(self.k_norm, jnp.float32), self.eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(q, pos.cos, pos.sin)
+        k = apply_rope(k, pos.cos, pos.sin)
         v = v[:, :, :, 0]
         q = constrain(q, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         with jax.named_scope("kernel"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
-            out = ops.attend(q, k, v) if segments is None else ops.attend(q, k, v, segments)
+            out = (ops.attend(q, k, v) if pos.segments is None else
+                   ops.attend(q, k, v, pos.segments))
             out = constrain(out, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         return _project(self, "o", out, ops)
 
@@ -205,7 +206,7 @@ class Block(nnx.Module):
         """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""
         return _project(self.attn if name in Attention.PROJECTIONS else self.mlp, name, x)
 
-    def __call__(self, x_btd, cos, sin, ops: Ops, segments=None):
+    def __call__(self, x_btd, pos: Positions, ops: Ops):
         # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
         # Under SP the norms run on T_res-split activations; entering attention or the MLP
         # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
@@ -213,7 +214,7 @@ class Block(nnx.Module):
         res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
         with jax.named_scope("attention"):
             h = constrain(constrain(self.attn_norm(x_btd), res), full)
-            x = constrain(x_btd + self.attn(h, cos, sin, ops, segments), res)
+            x = constrain(x_btd + self.attn(h, pos, ops), res)
         with jax.named_scope("mlp"):
             h = constrain(constrain(self.mlp_norm(x), res), full)
             return constrain(x + self.mlp(h, ops), res)
@@ -256,11 +257,11 @@ class Transformer(nnx.Module):
             x = embed_lookup(_use(self.embed, self.cfg.param_dtype), tokens_bt)
             return constrain(x.astype(self.cfg.dtype), ("batch", "res_length", "embed"))
 
-    def rope(self, positions_t):
-        """cos/sin [1, T, H/2] for positions[T] (numpy: constant tables), or [B, T, H/2] for
-        positions[B, T]."""
+    def rope(self, positions_t, segments=None) -> Positions:
+        """The layers' `Positions`: cos/sin [1, T, H/2] for positions[T] (numpy: constant
+        tables), or [B, T, H/2] for positions[B, T]; `segments`: packed documents' ids."""
         positions = positions_t[None] if positions_t.ndim == 1 else positions_t
-        return rope_tables(positions, rope_frequencies(self.cfg))
+        return Positions(*rope_tables(positions, rope_frequencies(self.cfg)), segments)
 
     def layer(self, remat: str = "none", ops: Ops | None = None):
         """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer under the remat policy,
@@ -273,7 +274,7 @@ class Transformer(nnx.Module):
 
         def apply(params, x, rope, on=None, zeros=None):
             used = ops if zeros is None else ops.tap(zeros)
-            y = apply_block(nnx.merge(graphdef, params), x, rope, used)
+            y = nnx.merge(graphdef, params)(x, rope, used)
             y = y if on is None else jnp.where(on, y, x)
             return y if zeros is None else (y, used.inputs)
 
@@ -358,21 +359,19 @@ class Transformer(nnx.Module):
             return backward_after(jax.lax.scan(piece, total, (x, labels.reshape(n, -1)),
                                                unroll=unroll())[0])
 
-        layout = current_layout()
-        mesh, manual, rows, cols = (None, (), None, None) if layout is None else token_shards(layout)
+        shards = per_device(current_layout())
+        manual = shards.axes
         if not manual:  # one device's tokens are all of them
             return local(x_btd, labels_bt, scale, head), labels_bt.size
-        inner = layout.compute.with_(batch=None, length=None, res_length=None)
 
-        def per_device(x, labels, scale, head):
+        def one_device(x, labels, scale, head):
             # the head's gradient, summed over the token shards, is summed in fp32
             scale, head = vary(scale, manual), vary(head, manual)
-            with activation_rules(inner, None):
+            with activation_rules(shards.inner, None):
                 return psum(local(x, labels, scale, head), manual)
 
-        total = jax.shard_map(per_device, mesh=mesh, axis_names=set(manual),
-                              in_specs=(P(rows, cols, None), P(rows, cols), P(), P()),
-                              out_specs=P())(x_btd, labels_bt, scale, head)
+        total = shards(one_device, (shards.spec(None), shards.spec(), P(), P()),
+                       P())(x_btd, labels_bt, scale, head)
         return total, labels_bt.size
 
     def canonical_blocks(self):

@@ -31,12 +31,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import grouped
-from .manual import all_gather, psum, psum_scatter, vary, varying
-from .mesh import DATA, EXPERT, SEQ, TENSOR
+from .manual import all_gather, per_device, psum, psum_scatter, vary
+from .mesh import EXPERT, TENSOR
 from .sharding import Untrained, current_layout
-from .vocab import token_shards
-
-TOKEN_AXES = (DATA, EXPERT, SEQ)  # the mesh axes that split tokens
 
 
 def route(logits_te, k: int, renormalize: bool = True, bias_e=None):
@@ -233,16 +230,11 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
     outputs are summed over `tensor` last, once per token (Megatron's row-parallel sum): left
     to the compiler, the sum comes before the reduce-scatter and the weighting, over every
     gathered assignment, k x expert times the bytes."""
-    layout = current_layout()
-    manual_now = varying(jax.typeof(x_btd))
-    mesh, enter, rows, cols = (None, (), None, None) if layout is None else token_shards(layout)
-    tokens = tuple(enter) + tuple(a for a in manual_now if a in TOKEN_AXES)
+    # inside a pipeline's shard_map `tensor` stays automatic (`per_device`): the compiler then
+    # sums over it before the reduce-scatter, every gathered assignment (docs/moe.md)
+    shards = per_device(current_layout(), x_btd, extra="mlp")
+    tokens, t_axis = shards.tokens, shards.extra
     e_axis = EXPERT if EXPERT in tokens else None
-    t_axis = None if layout is None else layout.compute["mlp"]
-    # inside a pipeline's shard_map `tensor` stays automatic (a shard_map of its own, nested in
-    # ZB-H1's per-stage branches, does not lower): the compiler then sums over it before the
-    # reduce-scatter, every gathered assignment (docs/moe.md)
-    t_axis = t_axis if t_axis is not None and mesh.shape[t_axis] > 1 and not manual_now else None
     how = (aux_weight, z_weight, tokens)
 
     def local(x, router, gate_up, down, bias, probe):
@@ -265,7 +257,7 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         if t_axis is not None:  # before the gather: the backward sums one token's gradient
             # (and the weights', in fp32: they meet the experts' outputs, which vary over
             # `tensor`, cast to the compute dtype)
-            x, weights = vary(x, (t_axis,)), vary(weights, (t_axis,))
+            x, weights = vary(x, t_axis), vary(weights, t_axis)
         if e_axis is not None:
             x, weights = all_gather(x, e_axis), all_gather(weights, e_axis)
         gate_up, down = vary(gate_up, tokens), vary(down, tokens)
@@ -275,17 +267,13 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         if e_axis is not None:
             y = psum_scatter(y, e_axis)
         if t_axis is not None:
-            y = psum(y, (t_axis,))
+            y = psum(y, t_axis)
         return y.reshape(b, t, d)
 
-    args = (x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s)
-    axes = set(enter) | ({t_axis} if t_axis else set())
-    if not axes:
-        return local(*args)
-    e = e_axis if e_axis in enter else None
-    specs = (P(rows, cols, None), P(), P(e, None, None, t_axis), P(e, t_axis, None), P(), P())
-    return jax.shard_map(local, mesh=mesh, axis_names=axes, in_specs=specs,
-                         out_specs=P(rows, cols, None))(*args)
+    e = e_axis if e_axis in shards.axes else None  # the experts' weights: entered split
+    specs = (shards.spec(None), P(), P(e, None, None, t_axis), P(e, t_axis, None), P(), P())
+    return shards(local, specs, shards.spec(None))(x_btd, router_de, gate_up_edcf, down_efd,
+                                                    bias_e, probe_s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,12 +40,6 @@ class Ops:
         return y + self.zeros[name]
 
 
-def apply_block(block, x_btd, consts: tuple, ops: Ops):
-    """A block on x with what every position of it shares: `consts` (cos, sin), the RoPE
-    tables, and with packed documents their ids[B, T] third."""
-    return block(x_btd, consts[0], consts[1], ops, *consts[2:])
-
-
 def split(model, ops: Ops):
     """(tap_shapes, projection_grads, projection weight names) of `model`'s layers:
     `tap_shapes(params, x, rope) -> {projection: ShapeDtypeStruct of its output}` for one
@@ -57,7 +51,7 @@ def split(model, ops: Ops):
     def tap_shapes(params, x, rope):
         def outputs(params, x):
             tapped = ops.tap()
-            apply_block(nnx.merge(graphdef, params), x, rope, tapped)
+            nnx.merge(graphdef, params)(x, rope, tapped)
             return tapped.outputs
 
         return jax.eval_shape(outputs, params, x)

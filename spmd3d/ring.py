@@ -290,26 +290,24 @@ def ring_attention(q, k, v, axis: str, mesh, segments=None):
     mix the outer and inner manual axes)."""
     n = mesh.shape[axis]
     seq, row = P(None, axis), P(None, None, None, axis)  # [B, T, ...] and lse[B, K, G, T]
-    ids = () if segments is None else (segments,)
-    fwd_map = jax.shard_map(lambda q, k, v, *ids: _forward(q, k, v, *ids or (None,), axis, n),
-                            mesh=mesh, in_specs=(seq,) * (3 + len(ids)), out_specs=(seq, row),
-                            axis_names={axis})
+    ids = segments  # None goes through the maps as no array at all (its spec covers nothing)
+    fwd_map = jax.shard_map(lambda q, k, v, ids: _forward(q, k, v, ids, axis, n), mesh=mesh,
+                            in_specs=(seq,) * 4, out_specs=(seq, row), axis_names={axis})
     bwd_map = jax.shard_map(
-        lambda q, k, v, *rest: _backward(q, k, v, *rest[:-3] or (None,), *rest[-3:], axis, n),
-        mesh=mesh, in_specs=(seq,) * (3 + len(ids)) + (seq, row, seq), out_specs=(seq,) * 3,
-        axis_names={axis})
+        lambda q, k, v, ids, out, lse, do: _backward(q, k, v, ids, out, lse, do, axis, n),
+        mesh=mesh, in_specs=(seq,) * 5 + (row, seq), out_specs=(seq,) * 3, axis_names={axis})
 
     @jax.custom_vjp
     def attend(q, k, v, ids):
-        return fwd_map(q, k, v, *ids)[0]
+        return fwd_map(q, k, v, ids)[0]
 
     def attend_fwd(q, k, v, ids):
-        out, lse = fwd_map(q, k, v, *ids)
+        out, lse = fwd_map(q, k, v, ids)
         return out, (q, k, v, ids, out, lse)
 
     def attend_bwd(res, do):
         q, k, v, ids, out, lse = res
-        return (*bwd_map(q, k, v, *ids, out, lse, do), (None,) * len(ids))
+        return (*bwd_map(q, k, v, ids, out, lse, do), None)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v, ids)

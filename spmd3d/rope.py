@@ -3,10 +3,22 @@ rescaling."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 
 from .schema import ModelConfig
+
+
+class Positions(NamedTuple):
+    """What every layer shares about the positions it runs on: the RoPE tables cos/sin
+    [1 or B, T, H/2] (fp32), and with packed documents each position's document id,
+    segments[B, T] (None: a row is one document)."""
+
+    cos: object
+    sin: object
+    segments: object = None
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:

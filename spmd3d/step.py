@@ -24,12 +24,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import attention, pipeline
 from . import ops as ops_lib
+from .manual import without
 from .ops import Ops
 from .pipeline import run as pipelined
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import (activation_rules, advance_untrained, constrain, mesh_axes,
+from .sharding import (activation_rules, advance_untrained, constrain, flat_axes, mesh_axes,
                        shardings_for, untrained_zeroed, use_param)
 
 
@@ -148,18 +149,16 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
     drop those axes and attention runs the per-device ring (a nested shard_map would mix the
     two levels' manual axes)."""
     rules, par, schedule = plan.rules, plan.cfg.parallel, plan.schedule
-    blocks, inner, batch_axis, seq_axis = params["blocks"], rules.compute, None, None
+    blocks, batch_axis, seq_axis = params["blocks"], None, None
     once = rules.params_over_batch and par.zero3_gather == "step"
     if once:
         blocks = _gather_blocks(blocks)
     if once or not rules.params_over_batch:
-        # the experts' axis is one of the batch's (expert parallelism): manual inside as well
-        inner, batch_axis = inner.with_(batch=None, experts=None), inner["batch"]
+        # (the experts' axis is one of the batch's, expert parallelism: `experts` whole inside)
+        batch_axis = rules.compute["batch"]
     if plan.attention in attention.SPLIT:
-        seq_axis = inner["length"]
-        res = inner["res_length"]
-        res = tuple(a for a in res if a != seq_axis) if isinstance(res, tuple) else None
-        inner = inner.with_(length=None, res_length=res[0] if res else None)
+        seq_axis = rules.compute["length"]
+    inner = without(rules.compute, flat_axes(batch_axis, seq_axis))
     ops = Ops(attention.select(plan.attention, seq_axis, plan.mesh, manual=True))
     model = nnx.merge(graphdef, params)
     stage = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
@@ -256,8 +255,7 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
                              prevent_cse=False)
-    consts = tuple(model.rope(positions)) + (() if segments is None else (segments,))
-    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), consts)
+    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), model.rope(positions, segments))
     return model.loss(x, labels, par.loss_chunk)
 
 

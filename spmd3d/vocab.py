@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .manual import psum, vary
-from .sharding import current_layout, mesh_axes
+from .manual import per_device, psum, vary
+from .sharding import current_layout
 
 
 @jax.custom_vjp
@@ -102,14 +102,6 @@ def traffic(d_model: int, tokens: int, head_tokens: int, table_bytes: int, c: in
     return out
 
 
-def token_shards(layout):
-    """(mesh, manual axes, row spec, length spec): the batch and length axes of the current
-    layout that split anything (size > 1), for a shard_map manual over them."""
-    mesh = layout.mesh or jax.sharding.get_abstract_mesh()
-    specs = [layout.splitting(n, mesh) for n in ("batch", "length")]
-    return mesh, tuple(a for spec in specs for a in mesh_axes(spec)), *specs
-
-
 def embed_lookup(table_vd, ids_bt):
     """table[V, D][ids] with the vocab dim possibly split over a mesh axis.
 
@@ -119,14 +111,13 @@ def embed_lookup(table_vd, ids_bt):
     gradient is then a scatter-add of each device's own rows and one sum of the table's
     gradient over them (left to XLA, it gathers every device's [B, T, D] cotangent first).
     """
-    layout = current_layout()
-    axis = None if layout is None else layout.compute["vocab"]
-    mesh, batch, rows, cols = (None,) * 4 if layout is None else token_shards(layout)
-    if axis is None or mesh.shape[axis] == 1:
+    shards = per_device(current_layout(), extra="vocab")
+    if shards.extra is None:
         return jnp.take(table_vd, ids_bt, axis=0)
+    (axis,) = shards.extra
 
     def lookup(table, ids):
-        table = vary(table, batch)  # its gradient summed over the batch shards (in fp32)
+        table = vary(table, shards.tokens)  # its gradient summed over the token shards (fp32)
         v = table.shape[0]
         local = ids - jax.lax.axis_index(axis) * v
         mine = ((local >= 0) & (local < v)).astype(table.dtype)[..., None]
@@ -134,5 +125,4 @@ def embed_lookup(table_vd, ids_bt):
         rows = jnp.take(table, jnp.clip(local, 0, v - 1), axis=0) * mine
         return psum(rows, axis)
 
-    return jax.shard_map(lookup, mesh=mesh, in_specs=(P(axis, None), P(rows, cols)),
-                         out_specs=P(rows, cols, None), axis_names={axis, *batch})(table_vd, ids_bt)
+    return shards(lookup, (P(axis, None), shards.spec()), shards.spec(None))(table_vd, ids_bt)

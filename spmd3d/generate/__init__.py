@@ -98,7 +98,7 @@ class Generator:
                     written.append((kc, vc))
                     return cached_attention(q, kc, vc, positions_bt)
 
-                y = nnx.merge(block_def, block)(x, *rope, Ops(attend))
+                y = nnx.merge(block_def, block)(x, rope, Ops(attend))
                 return y, written[0]
 
             x, cache = jax.lax.scan(layer, x, (nnx.state(model.blocks), cache))

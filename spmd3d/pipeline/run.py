@@ -48,10 +48,10 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
     `x_in`, and what comes back, are [p, mb, n, T, D] buffers split over the stage axis:
     stage s holds the microbatches `Schedule.feed()[:, s]` of the input and
     `Schedule.collect()[:, s]` of the output (slot j at [s, :, j]). `blocks`: the stacked
-    layers in storage order ([L, ...] leaves); `consts`: [1, T, ...] (RoPE tables); `active`:
-    None, or which stored layer slots hold a layer; `segments`: None, or packed documents'
-    ids per microbatch [m, mb, T]. Every stage applies `stage(chunk, x, consts, active) -> x`
-    to one chunk at every slot (consts: the tables, and the microbatch's ids).
+    layers in storage order ([L, ...] leaves); `consts`: `Positions`, the RoPE tables
+    [1, T, ...]; `active`: None, or which stored layer slots hold a layer; `segments`: None,
+    or packed documents' ids per microbatch [m, mb, T]. Every stage applies `stage(chunk, x,
+    consts, active) -> x` to one chunk at every slot (consts with the microbatch's ids).
 
     What the backward keeps per slot: with one chunk per stage the chunk is picked statically,
     so its weights are loop-invariant and never saved per slot. With v > 1 the chunk is picked
@@ -104,10 +104,9 @@ def forward(blocks, x_in, consts, table: Table, axis: str, mesh, *, stage, activ
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
     manual = set(_flat(axis, batch_axis, seq_axis))
     specs = stack_specs(chunks, axis, 2, manual)
-    ids = () if segments is None else (segments,)
     return jax.shard_map(per_stage, mesh=mesh, in_specs=(
-        specs, buffer, P(None, seq_axis), (P(None, batch_axis, seq_axis),) * len(ids)),
-        out_specs=buffer, axis_names=manual)(chunks, x_in, consts, ids)
+        specs, buffer, P(None, seq_axis), P(None, batch_axis, seq_axis)),
+        out_specs=buffer, axis_names=manual)(chunks, x_in, consts, segments)
 
 
 def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, layer, loss,
@@ -117,7 +116,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     blocks[L, ...] in storage order (stage s's chunks together); `layer(params, x, consts,
     on[, zeros])` one layer under its remat policy; head: the head's weights (`loss(head, y,
     labels)` is a microbatch's summed loss); x_in[p, mb, n, T, D]: the embedded microbatches
-    laid out by `Schedule.feed`; labels[m, mb, T] on every stage; consts: [1, T, ...];
+    laid out by `Schedule.feed`; labels[m, mb, T] on every stage; consts: `Positions` [1, T, ...];
     segments: None or packed documents' ids [m, mb, T], as the labels; `split` the model's
     tapped ops (`ops.split`), which a switch table's B and W need."""
     p, v = table.stages, table.repeats
@@ -154,12 +153,11 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
     stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
     specs = stack_specs(stacks, axis, 1, manual)
-    ids = () if segments is None else (segments,)
     per_mb = P(None, batch_axis, seq_axis)
     total, g_stack, g_head, dx = jax.shard_map(
         per_stage, mesh=mesh, axis_names=set(manual),
-        in_specs=(specs, P(), buffer, per_mb, P(None, seq_axis), (per_mb,) * len(ids)),
-        out_specs=(P(), specs, P(), buffer))(stacks, head, x_in, labels, consts, ids)
+        in_specs=(specs, P(), buffer, per_mb, P(None, seq_axis), per_mb),
+        out_specs=(P(), specs, P(), buffer))(stacks, head, x_in, labels, consts, segments)
     # gradients cast back to the parameters' dtypes
     g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
     return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)

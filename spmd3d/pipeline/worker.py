@@ -193,13 +193,12 @@ def head_grads(loss, head, labels, y, i, last, manual):
 
 
 def consts_of(consts, segments, mb):
-    """What microbatch `mb`'s layers share: the RoPE tables, and with packed documents
-    (`segments`: () or ([m, mb, T] ids,)) its ids."""
-    if not segments:
+    """What microbatch `mb`'s layers share: `consts`, the `Positions` of the RoPE tables, with
+    packed documents (`segments`: None or the ids [m, mb, T]) its ids."""
+    if segments is None:
         return consts
-    ids = segments[0]
-    mb = jnp.clip(mb, 0, ids.shape[0] - 1)
-    return (*consts, jax.lax.dynamic_index_in_dim(ids, mb, 0, keepdims=False))
+    mb = jnp.clip(mb, 0, segments.shape[0] - 1)
+    return consts._replace(segments=jax.lax.dynamic_index_in_dim(segments, mb, 0, False))
 
 
 def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, split):

@@ -142,7 +142,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1) -> LayerBytes:
         tapped = ops.tap()
 
         def run(p, x):
-            nnx.merge(nnx.graphdef(model.blocks), p)(x, *rope, tapped)
+            nnx.merge(nnx.graphdef(model.blocks), p)(x, rope, tapped)
             return tapped.inputs, tapped.outputs
 
         with _as_the_step(ep):
