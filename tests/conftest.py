@@ -55,6 +55,7 @@ FAST = (
     "test_pipeline.py::test_pipeline_losses_match_one_device[zb_dp2_pp2_tp2_sp_zero3]",
     "test_context.py::test_context_parallel_grads_match_one_device[dp2_seq4]",
     "test_ring.py::test_ring_equals_dense[4]",
+    "test_per_device.py",
     # the features: MoE, bfloat16, FP8, packed documents, the chunked loss
     "test_moe.py::test_routing_is_transformers[mixtral-True]",
     "test_tgmm.py::test_weight_gradient_equals_the_oracle",
