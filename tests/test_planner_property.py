@@ -23,7 +23,9 @@ LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
 
 # a few draws for `make test` (`describe(draw(seed))` names each); those the estimate misses
 # today are expected to fail, with the ratio measured, until the estimate is fixed
-KNOWN: dict[int, str] = {}  # seed: the ratio measured and the layout
+KNOWN = {
+    2: "0.963: data 4 x tensor 2, remat full, fp32",
+}
 SAMPLE = [pytest.param(seed, marks=pytest.mark.xfail(reason=KNOWN[seed], strict=True))
           if seed in KNOWN else seed for seed in (2, 4, 13, 15)]
 FIRST = int(os.environ.get("PLANNER_SEED", 1))

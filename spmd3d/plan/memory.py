@@ -117,31 +117,25 @@ def gathered_layers(plan) -> int:
     return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
 
 
-def stage_layers(plan, experts: bool = True) -> int:
-    """Elements of the layers a device computes with (its compute shard); the routed
-    experts' weights too unless `experts` is false."""
+def stage_layers(plan) -> int:
+    """Elements of the layers a device computes with (its compute shard)."""
     mesh = dict(plan.mesh.shape)
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
     return sum(shard_size(s, names, plan.rules.compute, mesh)
-               for k, (s, names) in shapes.items()
-               if k.startswith("blocks/") and (experts or "experts" not in names))
+               for k, (s, names) in shapes.items() if k.startswith("blocks/"))
 
 
 def layer_weights(plan) -> int:
-    """Per-device bytes of one layer's weights while its backward runs, without a pipeline:
-    the layer in the compute dtype, gathered under ZeRO-3, else sliced out of the stacked
-    weights (a copy; a stack of one layer is the layer itself, in fp32 compute); under ZeRO-2
-    and 3 also its weights' gradient whole over data, in the compute dtype as the matmuls give
-    it and in fp32, before its reduce-scatter. The routed experts' weights are not sliced:
-    their shard_map reads them from the stack."""
-    rules, split = plan.rules, plan.degrees.batch > 1
-    if plan.schedule is not None:
+    """Per-device bytes of one layer's weights while its backward runs, when ZeRO splits them
+    over data and no pipeline gathers its stage for the step: under ZeRO-3 the layer gathered
+    in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
+    compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
+    rules = plan.rules
+    if plan.schedule is not None or plan.degrees.batch == 1 or not rules.grads_over_batch:
         return 0
-    c, slots = itemsize(plan.cfg.model.dtype), len(plan.layer_order)
-    whole, dense = stage_layers(plan) // slots, stage_layers(plan, experts=False) // slots
-    copy = (whole if rules.params_over_batch and split else
-            dense if plan.layers_per_stage > 1 else 0) * c
-    return copy + (whole * (c + F32) if split and rules.grads_over_batch else 0)
+    c = itemsize(plan.cfg.model.dtype)
+    layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
+    return layer * ((c if rules.params_over_batch else 0) + c + F32)
 
 
 def expert_gradients(plan) -> int:
