@@ -72,19 +72,6 @@ def loss_chunks(tokens: int, chunk: int) -> int:
     return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
 
 
-def gradient_sums(head: int, embed: int, out_of_place: bool) -> int:
-    """Bytes per device the vocabulary's two ends hold beyond the head's gradient while their
-    gradients are summed, a cost for the planner (`plan.memory`). The loss's shard_map turns
-    the head device-varying over the token axes (`manual.vary`), and so does a lookup split
-    over `vocab` the table: each microbatch's gradient of the head [D, V/t] and of the table
-    [V/t, D] is whole on every device, fp32, and is all-reduced whole over the token axes (one
-    tuple all-reduce at the microbatch's end) before a ZeRO shard is sliced from it or it is
-    added to the accumulator. `head`, `embed`: bytes of those two gradients (`embed` 0 where
-    the lookup is a plain gather); `out_of_place`: the sums' results take buffers of their own
-    (`quirks.all_reduce_out_of_place`)."""
-    return embed + (head + embed) * out_of_place
-
-
 def traffic(d_model: int, tokens: int, head_tokens: int, table_bytes: int, c: int,
             sequence_parallel: bool) -> list[tuple[str, str, float]]:
     """What the vocabulary's two ends move over `tensor` in a step, per device, for the

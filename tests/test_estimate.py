@@ -187,10 +187,6 @@ QUIRK_LAYOUTS = {
     # (a vocabulary wide enough that the loss, not a layer's backward, is the peak)
     "head_gradient_fp32_copy": dict(data=8, extra=["model.dtype=bfloat16",
                                                    "model.vocab_size=1024"]),
-    # (a vocabulary wide enough that its sums after the layers' backward are the peak)
-    "all_reduce_out_of_place": dict(data=4, tensor=2, micro=2, extra=["model.vocab_size=4096"]),
-    "all_reduces_combined": dict(data=4, tensor=2, micro=2),
-    "narrow_casts_in_fp32": dict(data=8, micro=2, extra=["model.dtype=bfloat16"]),
 }
 
 

@@ -25,6 +25,7 @@ LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
 # today are expected to fail, with the ratio measured, until the estimate is fixed
 KNOWN = {
     2: "0.963: data 4 x tensor 2, remat full, fp32",
+    4: "0.684: tensor 2 SP x seq 2 x data 2, ZeRO-2, remat none, 2 accumulated",
 }
 SAMPLE = [pytest.param(seed, marks=pytest.mark.xfail(reason=KNOWN[seed], strict=True))
           if seed in KNOWN else seed for seed in (2, 4, 13, 15)]

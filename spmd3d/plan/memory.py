@@ -16,15 +16,7 @@ Memory per device, by kind:
   the MLP recomputed, gone by then), and under ZeRO-2/3 the layer's weights and their gradient
   whole over data (`layer_weights`);
 * pipeline buffers, logits/loss and the layers ZeRO-3 gathers for a pipelined step
-  (`working_terms`, which the compiled report's breakdown uses too);
-* the vocabulary's gradients without a pipeline, where they are kept apart from the step's
-  (ZeRO-2/3 shards, an accumulator): the head's and (a lookup split over vocab) the table's
-  whole until their sum over the token axes (`vocab_terms`), and the casts hoisted out of
-  the accumulation loop (`hoisted_casts`).
-
-Without a pipeline the temporaries peak in one of three phases, each with what is live in it:
-the loss's backward (every saved activation, the loss's piece, the head's gradient built over
-the pieces), a layer's backward, and the vocabulary's sums after the last layer's.
+  (`working_terms`, which the compiled report's breakdown uses too).
 """
 
 from __future__ import annotations
@@ -153,62 +145,6 @@ def expert_gradients(plan) -> int:
                                                                      "blocks/mlp/w_down")) * F32
 
 
-def hoisted_casts(plan) -> int:
-    """Accumulating microbatches without a pipeline: the head cast to a narrower compute dtype
-    once, before the loop (XLA hoists a loop-invariant cast out of it), and held for all its
-    trips; so are the layers' when a device's stack is one layer (its loop of one trip is
-    inlined, the cast no longer depends on the layer index), unless ZeRO-3 gathers them per
-    use (`layer_weights`)."""
-    m, rules = plan.cfg.model, plan.rules
-    c = itemsize(m.dtype)
-    if plan.schedule is not None or plan.accum_steps == 1 or c >= itemsize(m.param_dtype):
-        return 0
-    mesh = dict(plan.mesh.shape)
-    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), rules.compute, mesh)
-    inlined = plan.layers_per_stage == 1 and applies("one_trip_loops_inlined")
-    layers = stage_layers(plan) if inlined and not rules.params_over_batch else 0
-    return (head + layers) * (F32 if applies("narrow_casts_in_fp32") else c)
-
-
-def vocab_terms(plan) -> dict:
-    """Without a pipeline, per-device bytes of the vocabulary's two ends beyond the loss's
-    piece and the head's gradient (`memory`), read from the compiled steps' buffers. The
-    loss's shard_map makes the head's gradient whole on every device, and a lookup split over
-    vocab (tensor > 1) the table's, fp32; both are summed over the token axes."""
-    from ..vocab import gradient_sums
-
-    m, rules, deg = plan.cfg.model, plan.rules, plan.degrees
-    terms = dict.fromkeys(("table_gradient", "late_shards", "vocab_sums", "gathered_head"), 0)
-    if plan.schedule is not None:
-        return terms
-    mesh = dict(plan.mesh.shape)
-
-    def shard(table):  # elements of the head's (and the table's) shard under `table`
-        return shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), table, mesh)
-
-    split, whole = deg.tensor > 1, shard(rules.compute) * F32
-    sharded = rules.grads_over_batch and deg.batch > 1
-    if plan.accum_steps == 1 and sharded:
-        # ZeRO-2/3: the table's whole gradient, whose zero base is made at the step's start
-        # and held to the lookup's backward, the step's last; the two gradients' ZeRO shards
-        # are sliced from the whole ones at the end (bytes of `gradients` not there till then)
-        terms["table_gradient"] = whole if split else 0
-        terms["late_shards"] = (1 + split) * shard(rules.grads) * F32
-    if plan.accum_steps > 1 and deg.batch * deg.seq > 1:  # each microbatch's sums
-        terms["vocab_sums"] = gradient_sums(whole, whole if split else 0,
-                                            applies("all_reduce_out_of_place"))
-    if rules.params_over_batch and deg.batch > 1:  # ZeRO-3: the head gathered for the loss
-        terms["gathered_head"] = shard(rules.compute) * (
-            F32 if applies("narrow_casts_in_fp32") else itemsize(m.dtype))
-    return terms
-
-
-def _apart(plan) -> bool:
-    """Whether a microbatch's gradients are buffers apart from the step's: sharded over the
-    batch's devices (ZeRO-2/3), or accumulated."""
-    return (plan.rules.grads_over_batch and plan.degrees.batch > 1) or plan.accum_steps > 1
-
-
 def working_terms(plan) -> dict:
     """Per-device bytes of the pipeline's buffers (the microbatches a stage feeds in and
     collects, its belts and its inboxes) and of one
@@ -332,16 +268,11 @@ def memory(plan) -> dict:
     s, m, mesh = plan.schedule, plan.cfg.model, dict(plan.mesh.shape)
     head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute,
                       mesh) * F32
-    # the head's gradient accumulated whole per device: by the loss's pieces where it is kept
-    # apart from the step's (ZeRO-2/3 shards, an accumulator), by the schedule's microbatches
-    # under 1F1B or ZB-H1
-    apart = s is None and _apart(plan)
+    # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
+    # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
     sharded = plan.rules.grads_over_batch and plan.degrees.batch > 1
-    kinds["head_gradients"] = (head if (apart if s is None else sharded) else 0) + (
-        2 * head if s and s.head_inside else 0)
-    vocab = vocab_terms(plan)
-    kinds.update(table_gradient=vocab["table_gradient"], vocab_sums=vocab["vocab_sums"],
-                 hoisted_casts=hoisted_casts(plan))
+    kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
+                                                          else 0)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
@@ -358,25 +289,12 @@ def memory(plan) -> dict:
         peak = loss + layer
     elif s is not None:  # GPipe's backward, autodiff of its slot loop
         peak = max(loss, layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
-    else:  # the loss's backward, the layers', then the vocabulary's gradients summed
-        saved, head_g = kinds["saved_activations"], kinds["head_gradients"]
-        # the head's gradient, summed, is held whole to the update (which slices a ZeRO shard
-        # of it); an accumulated microbatch's is added to the accumulator after its sum, which
-        # waits for the table's (one all-reduce) where the lookup is split over vocab
-        waits = plan.accum_steps == 1 or (deg.tensor > 1 and deg.batch * deg.seq > 1
-                                          and applies("all_reduces_combined"))
-        # (one loss piece: its head gradient is made once the piece's logits are gone)
-        from ..vocab import loss_chunks
-
-        pieces = loss_chunks(plan.tokens_per_microbatch, plan.cfg.parallel.loss_chunk)
-        loss += vocab["gathered_head"]
-        peak = max(saved + (head_g + loss if pieces > 1 else max(head_g, loss)),
-                   saved + head_g * waits + layer,
-                   head_g + kinds["vocab_sums"]) - saved - head_g
+    else:
+        peak = max(loss, layer)
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["head_gradients"] + kinds["expert_gradients"]
-            + kinds["hoisted_casts"] + kinds["table_gradient"] - vocab["late_shards"] + peak)
+            + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
     return {"by_kind": kinds, "argument_bytes": args, "temp_bytes": temp,
             "needed_bytes": args + temp}

@@ -45,18 +45,6 @@ QUIRKS = {
         "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "
         "without SP, the ring, a pipeline or accumulated microbatches (there it reuses a "
         "buffer live anyway)"),
-    "all_reduce_out_of_place": Quirk(
-        "cpu", "an all-reduce writes its result to a buffer of its own, beside its operand: "
-        "the vocabulary's gradients summed over the token axes inside the accumulation loop "
-        "are held twice at that sum (`vocab.gradient_sums`)"),
-    "all_reduces_combined": Quirk(
-        "any", "independent all-reduces over the same devices are combined into one: a "
-        "microbatch's head gradient, summed over the token axes, waits whole for the table's "
-        "(a lookup split over vocab) through the layers' backward"),
-    "narrow_casts_in_fp32": Quirk(
-        "cpu", "a cast of fp32 weights to a 2-byte compute dtype is kept as fp32 values "
-        "rounded to it (convert, convert), 4 bytes an element: the casts hoisted out of the "
-        "accumulation loop (`memory.hoisted_casts`)"),
 }
 
 
