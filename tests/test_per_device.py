@@ -44,7 +44,8 @@ def test_per_device_inside_another_map_keeps_its_axes_and_the_extra_automatic():
         seen["shards"] = per_device(inner, x, extra="mlp")
         return x
 
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=jax.NamedSharding(mesh, P("data")))
     jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                                 axis_names={"data"}), jnp.zeros((4, 8)))
+                                 axis_names={"data"}), x)
     shards = seen["shards"]
     assert shards.axes == () and shards.tokens == ("data",) and shards.extra is None
