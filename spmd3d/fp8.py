@@ -114,11 +114,6 @@ def quantize(x, fp8_dtype, scale):
     return jnp.clip(x / scale.astype(x.dtype), -fmax, fmax).astype(fp8_dtype)
 
 
-def qdq(x, fp8_dtype, scale):
-    """x quantized to `fp8_dtype` with `scale` (saturating) and back to x's dtype."""
-    return quantize(x, fp8_dtype, scale).astype(x.dtype) * scale.astype(x.dtype)
-
-
 def _amax(x):
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 

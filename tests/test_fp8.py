@@ -74,10 +74,12 @@ def test_summed_histograms_stand_for_the_largest_amax():
     assert float(fp8.amax_of(jnp.zeros(fp8.BINS))) == 0.0
 
 
-def test_qdq_gives_fp8_values_times_the_scale_and_saturates():
+def test_quantized_values_are_fp8_values_times_the_scale_and_saturate():
+    """`quantize`, then the emulated GEMMs' dequantize (`_dequantize`)."""
     x = jax.random.normal(jax.random.key(0), (4096,)) * 30
     for dtype, scale in ((fp8.E4M3, 0.25), (fp8.E5M2, 2.0 ** -10)):
-        y = np.asarray(fp8.qdq(x, dtype, jnp.float32(scale)))
+        s = jnp.float32(scale)
+        y = np.asarray(fp8._dequantize(fp8.quantize(x, dtype, s), s, jnp.float32))
         units = y / scale
         assert np.array_equal(units, units.astype(dtype).astype(np.float32))
         fmax = float(jnp.finfo(dtype).max)
