@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from .manual import per_device
-from .ring import gathered_attention_local, ring_attention, ring_attention_local
+from .ring import TILE, gathered_attention_local, ring_attention, ring_attention_local
+from .ring import working as ring_working
 from .schema import ConfigError
 from .sharding import current_layout
 
@@ -205,11 +206,28 @@ def _why_not_pallas(*, head_dim, seq, seq_len, stage=1, **rest):
         "leaves its outputs untyped for the manual axes there" if stage > 1 else None)
 
 
-def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
+def working(kind: str, *, heads: float, kv_heads: float, head_dim: int, seq_len: int, seq: int,
+            itemsize: int, tile: int = TILE) -> float:
+    """Bytes per token of one device that kernel `kind`'s backward holds beyond its layer's
+    residuals, for the planner: the blocked kernel the fp32 gradient of the scores it kept
+    (`computed_fraction` of T x T a head), the ring's and the gather's their score tiles
+    (`ring.working`, tiles of `tile`), a flash kernel (cudnn, pallas) nothing. `heads`,
+    `kv_heads`: on the device; `seq`: the degree that splits the sequence."""
+    if kind == "blocked":
+        return heads * seq_len * computed_fraction(seq_len) * 4
+    if kind in SPLIT:
+        return ring_working(heads, kv_heads * head_dim, head_dim, seq_len // seq, seq, itemsize,
+                            gathered=kind == "gather", tile=tile)
+    return 0.0
+
+
+def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
+           tile: int = TILE):
     """The attention function `(q, k, v, segments=None) -> out` of `kind` (see the table
     above); `segments`[B, T]: the positions' document ids (packed documents). `ring` needs the
     ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);
-    `manual`: the caller is per-device over `axis` already (and its `segments` its own)."""
+    `manual`: the caller is per-device over `axis` already (and its `segments` its own);
+    `tile`: the ring's and the gather's score tiles' side at most (`model.attention_tile`)."""
     if kind == "blocked":
         return lambda q, k, v, segments=None: causal_attention(q, k, v, segments=segments)
     if kind == "cudnn":
@@ -222,8 +240,9 @@ def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False):
         if not manual:
             raise ValueError("gather attention runs inside a shard_map manual over its axis")
         return lambda q, k, v, segments=None: gathered_attention_local(
-            q, k, v, axis, mesh.shape[axis], segments)
+            q, k, v, axis, mesh.shape[axis], segments, tile)
     if manual:
         n = mesh.shape[axis]
-        return lambda q, k, v, segments=None: ring_attention_local(q, k, v, axis, n, segments)
-    return lambda q, k, v, segments=None: ring_attention(q, k, v, axis, mesh, segments)
+        return lambda q, k, v, segments=None: ring_attention_local(q, k, v, axis, n, segments,
+                                                                   tile)
+    return lambda q, k, v, segments=None: ring_attention(q, k, v, axis, mesh, segments, tile)

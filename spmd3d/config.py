@@ -222,6 +222,7 @@ def validate(cfg: Config) -> None:
     _need(m.attention in ATTENTION_KERNELS, "model.attention",
           f"must be one of {', '.join(ATTENTION_KERNELS)}")
     _need(m.head_dim >= 0, "model.head_dim", "must be >= 0")
+    _need(m.attention_tile >= 1, "model.attention_tile", "must be >= 1")
     _need(m.fp8 in FP8_RECIPES, "model.fp8", f"must be one of {', '.join(FP8_RECIPES)}")
     _need(m.fp8_history >= 1, "model.fp8_history", "must be >= 1")
     _need(m.fp8_margin >= 0, "model.fp8_margin", "must be >= 0")

@@ -10,11 +10,15 @@ K/V of device src = (i - j) mod n:
   src > i:   the second query chunk (2n-1-i) sees both K/V chunks entirely, the first none;
 so after step 0 each step computes exactly half of a block pair and never a masked block.
 The backward pass (custom VJP) runs the ring again, with dK/dV travelling alongside K/V so
-they arrive home after n shifts; memory is O(local block), not O(sequence).
+they arrive home after n shifts.
+
+Inside a step the half-block is itself attended in score tiles of at most `tile` queries by
+`tile` keys (`flash.py`), so a step holds a few [rows, heads, tile, tile] tiles, not the
+[T, T/2] half-block: memory is linear in the local length.
 
 Packed documents (`segments`[B, T], a document id per position): a query sees only keys of its
-own document. The keys' ids travel with K/V; a half-block where no query sees any key (all
-other documents) is skipped, forward and backward, and a query row that sees nothing in a block
+own document. The keys' ids travel with K/V; a tile where no query sees any key (other
+documents only) is skipped, forward and backward, and a query row that sees nothing in a block
 adds nothing to the online softmax (its own key, in step 0, is always visible).
 Shapes: q[B, T, K, G, H], k/v[B, T, K, H] with T the local length (two chunks of T/2).
 """
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .flash import TILE, Visible, attend, attend_bwd, merge, rows, tile_size
 from .manual import unroll, vary, varying
 
 F32 = jnp.float32
@@ -40,86 +45,49 @@ def zigzag_order(seq_len: int, n: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
-def _scores(q, k, scale):
-    return jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=F32) * scale
-
-
-def _same(seg_q, seg_k):
-    """[B, 1, 1, T, S]: whether query t and key s are of one document; None without ids."""
-    if seg_q is None:
-        return None
-    return (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
-
-
-def _both(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _block_fwd(q, k, v, scale, mask=None):
-    """Unnormalized block output and its row statistics: (o[B,T,K,G,H], m, l[B,K,G,T]); a row
-    with nothing visible has m = -inf, l = 0 and o = 0."""
-    s = _scores(q, k, scale)
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
-    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
-    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=F32)
-    return o, m, jnp.sum(p, axis=-1)
-
-
-def _rows(x_bkgt):  # [B, K, G, T] -> [B, T, K, G, 1] to scale outputs row-wise
-    return jnp.moveaxis(x_bkgt, 3, 1)[..., None]
-
-
-def _merge(acc, new):
-    (o1, m1, l1), (o2, m2, l2) = acc, new
-    m = jnp.maximum(m1, m2)
-    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-    return o1 * _rows(a1) + o2 * _rows(a2), m, l1 * a1 + l2 * a2
-
-
 def _halves(x, axis):
     c = x.shape[axis] // 2
     return jax.lax.slice_in_dim(x, 0, c, axis=axis), jax.lax.slice_in_dim(x, c, 2 * c, axis=axis)
 
 
-def _local_mask(t, i, n):
-    """Causal mask of a device's own two chunks against themselves (step 0)."""
+def _positions(t, i, n):
+    """Global positions of a device's own two chunks (zig-zag), for step 0's causal mask."""
     c = t // 2
-    pos = jnp.concatenate([i * c + jnp.arange(c), (2 * n - 1 - i) * c + jnp.arange(c)])
-    return pos[:, None] >= pos[None, :]
+    return jnp.concatenate([i * c + jnp.arange(c), (2 * n - 1 - i) * c + jnp.arange(c)])
 
 
-def _visible(seg_q, seg_k, src, i):
-    """(the early half-block's mask, the late one's, which of early/late/none to compute):
-    src < i: all queries against the first K/V chunk; src > i: the second query chunk against
-    all K/V; a half-block where no query sees a key (other documents only) is skipped."""
-    if seg_q is None:
-        return None, None, jnp.where(src < i, 0, 1)
-    early = _same(seg_q, _halves(seg_k, 1)[0])
-    late = _same(_halves(seg_q, 1)[1], seg_k)
-    branch = jnp.where(src < i, 0, 1)
-    return early, late, jnp.where(jnp.any(jnp.where(src < i, jnp.any(early), jnp.any(late))),
-                                  branch, 2)
+def _own(seg, t, i, n) -> Visible:
+    """A device's queries against its own keys (step 0): causal, and within documents."""
+    pos = _positions(t, i, n)
+    return Visible(pos, pos, seg, seg)
 
 
-def _step_update(acc, q, k, v, seg_q, seg_k, src, i, scale):
+def _early(seg_q, seg_k) -> Visible:
+    """src < i: all queries against the first K/V chunk, causally all visible."""
+    return Visible(seg_q=seg_q, seg_k=None if seg_k is None else _halves(seg_k, 1)[0])
+
+
+def _late(seg_q, seg_k) -> Visible:
+    """src > i: the second query chunk against all K/V, causally all visible."""
+    return Visible(seg_q=None if seg_q is None else _halves(seg_q, 1)[1], seg_k=seg_k)
+
+
+def _step_update(acc, q, k, v, seg_q, seg_k, src, i, scale, tile):
     """Merge the visible half-block of ring step with K/V from `src` (src != i)."""
-    mask_early, mask_late, branch = _visible(seg_q, seg_k, src, i)
 
     def early(acc):  # src < i: all queries, first K/V chunk
         k1, v1 = _halves(k, 1)[0], _halves(v, 1)[0]
-        return _merge(acc, _block_fwd(q, k1, v1, scale, mask_early))
+        return merge(acc, attend(q, k1, v1, scale, _early(seg_q, seg_k), tile))
 
     def late(acc):  # src > i: second query chunk, all K/V
         q2 = _halves(q, 1)[1]
         (o_a, o_b), (m_a, m_b), (l_a, l_b) = _halves(acc[0], 1), _halves(acc[1], 3), _halves(acc[2], 3)
-        o_b, m_b, l_b = _merge((o_b, m_b, l_b), _block_fwd(q2, k, v, scale, mask_late))
+        o_b, m_b, l_b = merge((o_b, m_b, l_b), attend(q2, k, v, scale, _late(seg_q, seg_k),
+                                                        tile))
         return (jnp.concatenate([o_a, o_b], 1), jnp.concatenate([m_a, m_b], 3),
                 jnp.concatenate([l_a, l_b], 3))
 
-    return jax.lax.switch(branch, [early, late, lambda acc: acc][:3 if seg_q is not None else 2],
-                          acc)
+    return jax.lax.switch(jnp.where(src < i, 0, 1), [early, late], acc)
 
 
 def _sources(kv, axis, n, gather: bool):
@@ -145,48 +113,34 @@ def _seg(blocks):
     return blocks[2] if len(blocks) > 2 else None
 
 
-def _forward(q, k, v, seg, axis, n, gather=False):
+def _forward(q, k, v, seg, axis, n, gather=False, tile=TILE):
     i = jax.lax.axis_index(axis)
     scale = q.shape[-1] ** -0.5
     # the first shift in flight meanwhile
     first, step = _sources(_blocks(k, v, seg), axis, n, gather)
-    acc = _block_fwd(q, k, v, scale, _both(_local_mask(q.shape[1], i, n), _same(seg, seg)))
+    acc = attend(q, k, v, scale, _own(seg, q.shape[1], i, n), tile)
 
     def body(carry, j):
         acc, kv = carry
         here, kv = step(kv, j)
-        acc = _step_update(acc, q, here[0], here[1], seg, _seg(here), (i - j) % n, i, scale)
+        acc = _step_update(acc, q, here[0], here[1], seg, _seg(here), (i - j) % n, i, scale,
+                           tile)
         return (acc, kv), None
 
     if n > 1:
         (acc, _), _ = jax.lax.scan(body, (acc, first), jnp.arange(1, n), unroll=unroll())
     o, m, l = acc
-    out = (o / _rows(l)).astype(q.dtype)
+    out = (o / rows(l)).astype(q.dtype)
     return out, m + jnp.log(l)  # log-sum-exp per row, for the backward
 
 
-def _block_bwd(q, k, v, do, lse, delta, scale, mask=None):
-    """(dq, dk, dv) of one block, recomputing probabilities from the saved log-sum-exp."""
-    s = _scores(q, k, scale)
-    p = jnp.exp(s - lse[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(do.dtype), do, preferred_element_type=F32)
-    dp = jnp.einsum("btkgh,bskh->bkgts", do, v, preferred_element_type=F32)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("bkgts,bskh->btkgh", ds.astype(k.dtype), k, preferred_element_type=F32)
-    dk = jnp.einsum("bkgts,btkgh->bskh", ds.astype(q.dtype), q, preferred_element_type=F32)
-    return dq, dk, dv
-
-
-def _step_grads(q, k, v, do, lse, delta, seg_q, seg_k, src, i, scale, grads):
+def _step_grads(q, k, v, do, lse, delta, seg_q, seg_k, src, i, scale, grads, tile):
     """(dq, dk, dv) with the visible half-block of a step with K/V from `src` (src != i)."""
-    mask_early, mask_late, branch = _visible(seg_q, seg_k, src, i)
 
     def early(grads):  # src < i: all queries, first K/V chunk
         dq, dk, dv = grads
         (k1, _), (v1, _) = _halves(k, 1), _halves(v, 1)
-        a, b, c = _block_bwd(q, k1, v1, do, lse, delta, scale, mask_early)
+        a, b, c = attend_bwd(q, k1, v1, do, lse, delta, scale, _early(seg_q, seg_k), tile)
         (dk1, dk2), (dv1, dv2) = _halves(dk, 1), _halves(dv, 1)
         return dq + a, jnp.concatenate([dk1 + b, dk2], 1), jnp.concatenate([dv1 + c, dv2], 1)
 
@@ -194,20 +148,18 @@ def _step_grads(q, k, v, do, lse, delta, seg_q, seg_k, src, i, scale, grads):
         dq, dk, dv = grads
         (_, q2), (_, do2) = _halves(q, 1), _halves(do, 1)
         (_, lse2), (_, delta2) = _halves(lse, 3), _halves(delta, 3)
-        a, b, c = _block_bwd(q2, k, v, do2, lse2, delta2, scale, mask_late)
+        a, b, c = attend_bwd(q2, k, v, do2, lse2, delta2, scale, _late(seg_q, seg_k), tile)
         dq1, dq2 = _halves(dq, 1)
         return jnp.concatenate([dq1, dq2 + a], 1), dk + b, dv + c
 
-    return jax.lax.switch(branch, [early, late, lambda g: g][:3 if seg_q is not None else 2],
-                          grads)
+    return jax.lax.switch(jnp.where(src < i, 0, 1), [early, late], grads)
 
 
-def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False):
+def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False, tile=TILE):
     i = jax.lax.axis_index(axis)
     scale = q.shape[-1] ** -0.5
     delta = jnp.moveaxis(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 3)  # [B,K,G,T]
-    dq, dk, dv = _block_bwd(q, k, v, do, lse, delta, scale,
-                            _both(_local_mask(q.shape[1], i, n), _same(seg, seg)))
+    dq, dk, dv = attend_bwd(q, k, v, do, lse, delta, scale, _own(seg, q.shape[1], i, n), tile)
     if n == 1:
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     steps = jnp.arange(1, n)
@@ -217,7 +169,7 @@ def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False):
         def body(carry, j):
             dq, (dk, dv, *kv) = carry
             dq, dk, dv = _step_grads(q, *kv[:2], do, lse, delta, seg, _seg(kv), (i - j) % n, i,
-                                     scale, (dq, dk, dv))
+                                     scale, (dq, dk, dv), tile)
             return (dq, jax.lax.ppermute((dk, dv, *kv), axis, shift)), None
 
         travelling = jax.lax.ppermute((dk, dv, *_blocks(k, v, seg)), axis, shift)
@@ -235,7 +187,7 @@ def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False):
             at = (i - j) % n * t
             held = [jax.lax.dynamic_slice_in_dim(a, at, t, 1) for a in d_all]
             dq, dk_j, dv_j = _step_grads(q, *here[:2], do, lse, delta, seg, _seg(here),
-                                         (i - j) % n, i, scale, (dq, *held))
+                                         (i - j) % n, i, scale, (dq, *held), tile)
             d_all = [jax.lax.dynamic_update_slice_in_dim(a, g, at, 1)
                      for a, g in zip(d_all, (dk_j, dv_j))]
             return (dq, d_all), None
@@ -246,7 +198,7 @@ def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def gathered_attention_local(q, k, v, axis: str, n: int, segments=None):
+def gathered_attention_local(q, k, v, axis: str, n: int, segments=None, tile: int = TILE):
     """Per-device causal attention of the local queries (two zig-zag chunks) against the whole
     sequence's K/V, gathered over `axis` (n devices): all-gather context parallelism, as
     LLaMA 3 was trained. Every collective is a gather over the seq group (and, in the backward,
@@ -254,34 +206,35 @@ def gathered_attention_local(q, k, v, axis: str, n: int, segments=None):
     per-stage branch (ZB-H1's), where XLA:CPU rendezvouses a collective-permute with every
     device of the program, so a ring there deadlocks. The blocks are the ring's, in its order
     and with its online softmax: each step scores the visible half-block of one device's K/V,
-    never a masked one, and keeps [T_local, T/n] scores at a time, not [T_local, T]."""
-    return _local(q, k, v, segments, axis, n, True)
+    never a masked one, in tiles of at most `tile` x `tile`."""
+    return _local(q, k, v, segments, axis, n, True, tile)
 
 
-def ring_attention_local(q, k, v, axis: str, n: int, segments=None):
+def ring_attention_local(q, k, v, axis: str, n: int, segments=None, tile: int = TILE):
     """Per-device causal ring attention, for code already inside a shard_map manual over
-    `axis` (n devices), e.g. the pipeline's; `segments`: the local positions' document ids."""
-    return _local(q, k, v, segments, axis, n, False)
+    `axis` (n devices), e.g. the pipeline's; `segments`: the local positions' document ids;
+    `tile`: the score tiles' queries and keys at most."""
+    return _local(q, k, v, segments, axis, n, False, tile)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _local(q, k, v, seg, axis, n, gather):
-    return _forward(q, k, v, seg, axis, n, gather)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _local(q, k, v, seg, axis, n, gather, tile):
+    return _forward(q, k, v, seg, axis, n, gather, tile)[0]
 
 
-def _local_fwd(q, k, v, seg, axis, n, gather):
-    out, lse = _forward(q, k, v, seg, axis, n, gather)
+def _local_fwd(q, k, v, seg, axis, n, gather, tile):
+    out, lse = _forward(q, k, v, seg, axis, n, gather, tile)
     return out, (q, k, v, seg, out, lse)
 
 
-def _local_bwd(axis, n, gather, res, do):
-    return (*_backward(*res, do, axis, n, gather), None)
+def _local_bwd(axis, n, gather, tile, res, do):
+    return (*_backward(*res, do, axis, n, gather, tile), None)
 
 
 _local.defvjp(_local_fwd, _local_bwd)
 
 
-def ring_attention(q, k, v, axis: str, mesh, segments=None):
+def ring_attention(q, k, v, axis: str, mesh, segments=None, tile: int = TILE):
     """Causal ring attention on global arrays whose T dim (in zig-zag order, see
     `zigzag_order`) is split over mesh axis `axis`; other axes (heads over tensor, batch over
     data) pass through automatically; `segments`[B, T]: document ids, in the same order. The
@@ -291,10 +244,12 @@ def ring_attention(q, k, v, axis: str, mesh, segments=None):
     n = mesh.shape[axis]
     seq, row = P(None, axis), P(None, None, None, axis)  # [B, T, ...] and lse[B, K, G, T]
     ids = segments  # None goes through the maps as no array at all (its spec covers nothing)
-    fwd_map = jax.shard_map(lambda q, k, v, ids: _forward(q, k, v, ids, axis, n), mesh=mesh,
+    fwd_map = jax.shard_map(lambda q, k, v, ids: _forward(q, k, v, ids, axis, n, False, tile),
+                            mesh=mesh,
                             in_specs=(seq,) * 4, out_specs=(seq, row), axis_names={axis})
     bwd_map = jax.shard_map(
-        lambda q, k, v, ids, out, lse, do: _backward(q, k, v, ids, out, lse, do, axis, n),
+        lambda q, k, v, ids, out, lse, do: _backward(q, k, v, ids, out, lse, do, axis, n, False,
+                                                     tile),
         mesh=mesh, in_specs=(seq,) * 5 + (row, seq), out_specs=(seq,) * 3, axis_names={axis})
 
     @jax.custom_vjp
@@ -311,6 +266,23 @@ def ring_attention(q, k, v, axis: str, mesh, segments=None):
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v, ids)
+
+
+def working(heads: float, kv: float, head_dim: int, local: int, ring: int, itemsize: int,
+            gathered: bool, tile: int = TILE) -> float:
+    """Bytes per local token that this module's kernels hold in a layer's backward beyond the
+    layer's residuals, for the planner (`plan.memory`): one score tile at a time (the largest
+    is step 0's, `tile` x `tile` or the local length) with its fp32 probabilities and gradient
+    and the copy a matmul reads; tiled, a key tile's pieces of dQ, stacked in fp32; gathered
+    (ZB-H1's kernel), the sequence's K and V with their fp32 gradients. `heads`: query heads
+    on the device, `kv`: its kv heads x head dim, `local`: its tokens of a sequence."""
+    side = tile_size(local, tile)
+    held = heads * side * side / local * (2 * 4 + itemsize)
+    if side < local:
+        held += heads * head_dim * 4
+    if gathered:
+        held += 2 * ring * kv * (itemsize + 4)
+    return held
 
 
 def traffic(ring: int, gathered: bool, kv: float, kv_grads: float, forwards: float,

@@ -117,6 +117,8 @@ class ModelConfig:
                                  "documents, else cudnn; blocked elsewhere), blocked (pure "
                                  "JAX), cudnn (cuDNN flash attention) or pallas (Pallas-Triton "
                                  "flash attention with document ids)")
+    attention_tile: int = doc(1024, "ring and gathered attention: the score tiles of a ring "
+                                    "step span at most this many queries and keys")
     qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
     # FP8 projections (fp8.py): QKV, attention output and the MLP's, e4m3 forward, e5m2
     # gradients, per-tensor scales; the rest stays in `dtype`

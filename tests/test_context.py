@@ -9,13 +9,15 @@ from jax.sharding import AxisType
 from helpers import (assert_grads_match, assert_losses_match, by_layout, devices_for, reference_run,
                      small_config)
 from spmd3d import hlo, manual, runtime
-from spmd3d.ring import _block_fwd, ring_attention
+from spmd3d.flash import tile_fwd
+from spmd3d.ring import ring_attention
 
 L4 = ["model.num_layers=4"]
 
 LAYOUTS = {  # (data, stage, tensor, seq)
     "dp4_seq2": dict(data=4, seq=2),
-    "dp2_seq4": dict(data=2, seq=4),
+    # a ring step (8 local tokens) in score tiles of 2 queries by 2 keys
+    "dp2_seq4_tiles2": dict(data=2, seq=4, extra=["model.attention_tile=2"]),
     "seq8": dict(seq=8),
     # loss pieces of 8 positions, each spanning both sequence shards
     "dp2_tp2_seq2_chunked_loss": dict(data=2, tensor=2, seq=2, extra=["parallel.loss_chunk=8"]),
@@ -35,7 +37,7 @@ def reference():
     return reference_run(cfg())
 
 
-GRADS = ["dp2_seq4", "pp2_tp2_seq2_chunked_loss"]
+GRADS = ["dp2_seq4_tiles2", "pp2_tp2_seq2_chunked_loss"]
 
 
 @pytest.mark.parametrize("name", by_layout(LAYOUTS))
@@ -81,7 +83,7 @@ def test_zigzag_ring_computes_about_half_the_blocks():
         ql = jax.ShapeDtypeStruct((b, t // n, k, g, h), jnp.float32)
         kvl = jax.ShapeDtypeStruct((b, t // n, k, h), jnp.float32)
         mask = np.tril(np.ones((t // n, t // n), bool))
-        block = flops(lambda q, k, v: _block_fwd(q, k, v, 1.0, mask)[0], ql, kvl, kvl)
+        block = flops(lambda q, k, v: tile_fwd(q, k, v, 1.0, mask)[0], ql, kvl, kvl)
         # the ring's forward alone: its output's FLOPs exclude any backward
         ratio = ring / (n * block)
         assert abs(ratio - (n + 1) / (2 * n)) < 0.05, (n, ratio)

@@ -1,5 +1,5 @@
 """Block-causal and ring attention equal dense causal attention: outputs and gradients, GQA,
-seq = 2, 4, 8."""
+seq = 2, 4, 8; the ring's steps in score tiles, with packed documents, and what a step holds."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,9 @@ import pytest
 from jax.sharding import AxisType
 
 from spmd3d.model import causal_attention
-from spmd3d.ring import ring_attention, zigzag_order
+from jax.sharding import PartitionSpec as P
+
+from spmd3d.ring import gathered_attention_local, ring_attention, ring_attention_local, zigzag_order
 
 B, T, K, G, H = 2, 64, 2, 3, 8  # 6 query heads sharing 2 kv heads
 
@@ -76,3 +78,65 @@ def test_ring_equals_dense(n):
     g_got = jax.jit(jax.grad(loss(attend), (0, 1, 2)))(q, k, v)
     for a, b in zip(g_got, g_want):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def documents(t, seed=1):
+    """[B, T] document ids: B rows of packed documents of random lengths."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.stack([np.cumsum(rng.random(t) < 0.08) for _ in range(B)]), jnp.int32)
+
+
+@pytest.mark.parametrize("n,tile,gather,with_documents", [
+    (4, 2, False, True), (2, 8, False, False), (2, 4, True, True)])
+def test_tiled_ring_steps_equal_dense(n, tile, gather, with_documents):
+    """A ring (or gather) step attended in score tiles of `tile` queries by `tile` keys (the
+    local chunks are 32/n long: 2-8 tiles a side, tiles above the diagonal and of other
+    documents skipped) gives the blocked kernel's output and gradients, with packed
+    documents too."""
+    q, k, v, w = inputs()
+    seg = documents(T) if with_documents else None
+    order = zigzag_order(T, n)
+    inverse = np.argsort(order)
+    mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    local = gathered_attention_local if gather else ring_attention_local
+    spec = P(None, "seq")
+    mapped = jax.shard_map(lambda q, k, v, s: local(q, k, v, "seq", n, s, tile), mesh=mesh,
+                           in_specs=(spec,) * 4, out_specs=spec)
+    ids = jnp.zeros((B, T), jnp.int32) if seg is None else seg
+
+    def tiled(q, k, v):
+        ids_z = ids[:, order] if seg is not None else None
+        if seg is None:  # the map's fourth input: None passes as no array
+            f = jax.shard_map(lambda q, k, v: local(q, k, v, "seq", n, None, tile), mesh=mesh,
+                              in_specs=(spec,) * 3, out_specs=spec)
+            return f(q[:, order], k[:, order], v[:, order])[:, inverse]
+        return mapped(q[:, order], k[:, order], v[:, order], ids_z)[:, inverse]
+
+    def want_f(q, k, v):
+        return causal_attention(q, k, v, block=T, segments=seg)
+
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * w))  # noqa: E731
+    got, want = jax.jit(tiled)(q, k, v), want_f(q, k, v)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    g_got = jax.jit(jax.grad(loss(tiled), (0, 1, 2)))(q, k, v)
+    g_want = jax.grad(loss(want_f), (0, 1, 2))(q, k, v)
+    for a, b in zip(g_got, g_want):
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def test_a_ring_step_holds_score_tiles_not_the_half_block():
+    """Compiled, the ring's forward and backward hold [B, K, G, tile, tile] score tiles: no
+    score array spans more than `tile` queries or keys (the whole step's [T_local, T_local/2]
+    scores were the largest temporaries at long context)."""
+    import re
+
+    n, tile, t = 2, 16, 256
+    q = jax.random.normal(jax.random.key(0), (1, t, K, G, H))
+    kv = jax.random.normal(jax.random.key(1), (1, t, K, H))
+    mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    f = jax.shard_map(lambda q, k, v: ring_attention_local(q, k, v, "seq", n, None, tile),
+                      mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
+    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
+    text = step.lower(q, kv, kv).compile().as_text()
+    scores = {tuple(map(int, s)) for s in re.findall(rf"f32\[1,{K},{G},(\d+),(\d+)\]", text)}
+    assert scores and max(max(s) for s in scores) == tile, scores

@@ -168,21 +168,18 @@ def working_terms(plan) -> dict:
 @dataclass(frozen=True)
 class Widths:
     """One device's share of the attention's widths, in elements per token: what the
-    collectives of the ring move and what a kernel that keeps no scores computes again."""
+    collectives of the ring move."""
 
     kv: float  # kv heads x head dim
-    scores: float  # attention scores a query computes at a time, over its heads
 
     @classmethod
     def of(cls, plan) -> "Widths":
         m, t = plan.cfg.model, plan.degrees.tensor
-        return cls(kv=m.num_kv_heads / t * m.dim_per_head,
-                   scores=m.num_heads / t * _keys_per_query(plan))
+        return cls(kv=m.num_kv_heads / t * m.dim_per_head)
 
 
 def _keys_per_query(plan) -> float:
-    """Keys a query's scores span under the plan's attention kernel (0: flash attention keeps
-    no scores)."""
+    """Keys a query's scores span under the plan's attention kernel, for its FLOPs."""
     from ..attention import computed_fraction
 
     t, seq = plan.cfg.train.seq_len, plan.degrees.seq
@@ -240,22 +237,18 @@ def activation_bytes(plan) -> dict:
 
 
 def _kernel_working(plan, mlp_recomputed: float) -> float:
-    """Bytes per token the attention kernel's backward holds beyond what its layer recomputes.
-    A kernel that keeps no scores (`ring.py`'s custom vjps): one step's scores (the queries
-    against one device's keys) computed again, their fp32 probabilities and gradient and the
-    compute-dtype copy a matmul reads, and under the gather the sequence's K/V with their fp32
-    gradients. The blocked kernel, which keeps its scores: their fp32 gradient, beyond
-    `mlp_recomputed` (what the MLP recomputed, let go of when its backward, which runs first,
-    is done). cuDNN's: nothing."""
-    w, c, seq = Widths.of(plan), itemsize(plan.cfg.model.dtype), plan.degrees.seq
-    if plan.attention == "blocked":
-        return max(0.0, w.scores * F32 - mlp_recomputed)
-    if plan.attention not in ("ring", "gather"):
-        return 0.0
-    scores = w.scores * (2 * F32 + c)
-    if plan.attention == "gather":
-        scores += 2 * seq * w.kv * (c + F32)
-    return scores
+    """Bytes per token the attention kernel's backward holds beyond what its layer recomputes
+    (the kernel's own count, `attention.working`); the blocked kernel's fp32 gradient of the
+    scores it kept only beyond `mlp_recomputed` (what the MLP recomputed, let go of when its
+    backward, which runs first, is done)."""
+    from ..attention import working
+
+    m, deg = plan.cfg.model, plan.degrees
+    held = working(plan.attention, heads=m.num_heads / deg.tensor,
+                   kv_heads=m.num_kv_heads / deg.tensor, head_dim=m.dim_per_head,
+                   seq_len=plan.cfg.train.seq_len, seq=deg.seq, itemsize=itemsize(m.dtype),
+                   tile=m.attention_tile)
+    return max(0.0, held - mlp_recomputed) if plan.attention == "blocked" else held
 
 
 def memory(plan) -> dict:
