@@ -11,9 +11,14 @@
 | `ring`    | T is split over a mesh axis (`seq`)           | zig-zag ring attention (`ring.py`)  |
 | `gather`  | T split over `seq`, inside ZB-H1's per-stage  | K/V all-gathered over `seq`, local  |
 |           | branches (a ring's permutes there deadlock)   | queries against them (`ring.py`)    |
+| `ulysses` | T split over `seq`, the kv heads of a tensor  | two all-to-alls around one of the   |
+|           | shard divide by seq (`parallel.context`)      | kernels above (`ulysses.py`)        |
 
-`model.attention` asks for a kernel (auto, blocked, cudnn); `choose` turns it into the kind,
-once, for the plan (`Plan.attention`); the step calls `select` with it, and says whether the
+`model.attention` asks for a kernel (auto, blocked, cudnn); with the sequence split over
+`seq`, `parallel.context` asks for the ring or Ulysses (auto: Ulysses while the kv heads of a
+tensor shard divide by seq, else the ring, as Megatron advises); `choose` turns them into the
+kind, once, for the plan (`Plan.attention`, and for Ulysses `Plan.attention_local`, the kernel
+it runs on the whole sequence); the step calls `select` with it, and says whether the
 code runs inside a shard_map already manual over the ring axis (the pipeline's), where the
 per-device ring runs directly. GPU kernels join this table, not the model.
 
@@ -45,9 +50,11 @@ from .ring import TILE, gathered_attention_local, ring_attention, ring_attention
 from .ring import working as ring_working
 from .schema import ConfigError
 from .sharding import current_layout
+from .ulysses import ulysses_local
 
-KINDS = ("blocked", "cudnn", "pallas", "ring", "gather")
-SPLIT = ("ring", "gather")  # the kinds that run with T split over the `seq` axis
+KINDS = ("blocked", "cudnn", "pallas", "ring", "gather", "ulysses")
+SPLIT = ("ring", "gather", "ulysses")  # the kinds that run with T split over the `seq` axis
+RINGS = ("ring", "gather")  # the split kinds that score a device's queries against K/V blocks
 # what `fused_attention` asks jax for; the tests set "xla" (JAX's reference of the same call)
 # to run the cudnn kind's plumbing -- head layout, sharding, gradients -- on a CPU
 FUSED = "cudnn"
@@ -129,16 +136,20 @@ def flash_attention(q_btkgh, k_bskh, v_bskh, segments=None, interpret: bool | No
     """Causal GQA flash attention that takes `segments`[B, T] (document ids) itself: jax's
     Pallas-Triton kernel, per device (`_per_device`); `interpret` (default `INTERPRET`): through
     Pallas's interpreter. -> out[B, T, K, G, H]."""
-    interpret = INTERPRET if interpret is None else interpret
+    return _per_device(lambda q, k, v, ids: _pallas(q, k, v, ids, interpret), q_btkgh, k_bskh,
+                       v_bskh, segments)
+
+
+def _pallas(q, k, v, ids, interpret: bool | None = None):
+    """jax's Pallas-Triton `mha` on one device's arrays, its K/V heads repeated to the query
+    heads' count (it has no GQA)."""
     from jax.experimental.pallas.ops.gpu.attention import mha
 
-    def run(q, k, v, ids):
-        b, t, kv, g, h = q.shape
-        out = mha(q.reshape(b, t, kv * g, h), jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2),
-                  ids, sm_scale=h ** -0.5, causal=True, interpret=interpret)
-        return out.reshape(q.shape)
-
-    return _per_device(run, q_btkgh, k_bskh, v_bskh, segments)
+    b, t, kv, g, h = q.shape
+    out = mha(q.reshape(b, t, kv * g, h), jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2),
+              ids, sm_scale=h ** -0.5, causal=True,
+              interpret=INTERPRET if interpret is None else interpret)
+    return out.reshape(q.shape)
 
 
 def _per_device(kernel, q, k, v, segments):
@@ -152,14 +163,30 @@ def _per_device(kernel, q, k, v, segments):
     return shards(kernel, (qs, ks, ks, shards.spec()), qs, check_vma=False)(q, k, v, segments)
 
 
+# the per-device kernels Ulysses runs on the whole sequence of its heads
+LOCAL = {"blocked": lambda q, k, v, ids: causal_attention(q, k, v, segments=ids),
+         "cudnn": lambda q, k, v, ids: fused_attention(q, k, v, segments=ids),
+         "pallas": lambda q, k, v, ids: _pallas(q, k, v, ids)}
+
+
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,
            hopper: bool = False, branched: bool = False, seq_len: int = 128,
-           stage: int = 1, documents: bool = False) -> str:
+           stage: int = 1, documents: bool = False, context: str = "ring", kv_heads: int = 1,
+           tensor: int = 1) -> str:
     """The attention kind (see the table) for `model.attention = requested` on `platform`
     with compute `dtype`, `head_dim`, sequences of `seq_len` split over `seq` devices and,
     with `documents`, packed documents; `stage`: the pipeline's stages; `branched`: the layers
-    run inside per-device branches (ZB-H1). An explicit kernel that cannot run raises ConfigError naming model.attention;
-    `auto` falls back (`fallback` says why)."""
+    run inside per-device branches (ZB-H1); `context` (`parallel.context`), `kv_heads` (a
+    tensor shard's) and `tensor`: ring or Ulysses over `seq` (Ulysses' own kernel: `choose`
+    with seq 1). An explicit kernel or context that cannot run raises ConfigError naming its
+    field; `auto` falls back (`fallback` says why)."""
+    if seq > 1:
+        why = _why_not_ulysses(seq=seq, kv_heads=kv_heads, branched=branched, stage=stage,
+                               tensor=tensor)
+        if context == "ulysses" and why:
+            raise ConfigError("parallel.context", f"ulysses {why}; use ring or auto")
+        if context != "ring" and not why:
+            return "ulysses"
     kernels = {name: why(platform=platform, dtype=dtype, head_dim=head_dim, seq=seq,
                          hopper=hopper, seq_len=seq_len, stage=stage)
                for name, why in (("cudnn", _why_not_cudnn), ("pallas", _why_not_pallas))}
@@ -178,6 +205,17 @@ def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int
 def fallback(**shape) -> str:
     """Why packed documents on a GPU do not get `pallas` (choose's arguments), or ""."""
     return _why_not_pallas(**shape) or ""
+
+
+def _why_not_ulysses(*, seq, kv_heads, branched, stage, tensor):
+    return (f"splits a tensor shard's kv heads over seq: its {kv_heads} do not divide by "
+            f"mesh.seq = {seq}" if kv_heads % seq else
+            "does not run inside ZB-H1's per-stage branches, where XLA:CPU meets each "
+            "collective with every device of the program (the ring gathers K/V there)"
+            if branched else
+            f"inside a pipeline needs mesh.tensor = 1 (it is {tensor}): the per-stage code "
+            "keeps tensor automatic, and an all-to-all over seq there gathers the heads over "
+            "tensor first" if stage > 1 and tensor > 1 else None)
 
 
 def _why_not_gpu(*, platform, dtype, **_):
@@ -222,12 +260,13 @@ def working(kind: str, *, heads: float, kv_heads: float, head_dim: int, seq_len:
 
 
 def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
-           tile: int = TILE):
+           tile: int = TILE, local: str = "blocked"):
     """The attention function `(q, k, v, segments=None) -> out` of `kind` (see the table
     above); `segments`[B, T]: the positions' document ids (packed documents). `ring` needs the
     ring's mesh `axis` and `mesh` (the context mesh when nested in another shard_map);
     `manual`: the caller is per-device over `axis` already (and its `segments` its own);
-    `tile`: the ring's and the gather's score tiles' side at most (`model.attention_tile`)."""
+    `tile`: the ring's and the gather's score tiles' side at most (`model.attention_tile`);
+    `local`: the kernel Ulysses runs on the whole sequence of its heads."""
     if kind == "blocked":
         return lambda q, k, v, segments=None: causal_attention(q, k, v, segments=segments)
     if kind == "cudnn":
@@ -236,6 +275,12 @@ def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
         return lambda q, k, v, segments=None: flash_attention(q, k, v, segments=segments)
     if kind not in SPLIT:
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
+    if kind == "ulysses":
+        n, inner = mesh.shape[axis], LOCAL[local]
+        if manual:
+            return lambda q, k, v, segments=None: ulysses_local(q, k, v, axis, n, inner, segments)
+        return lambda q, k, v, segments=None: _per_device(
+            lambda q, k, v, ids: ulysses_local(q, k, v, axis, n, inner, ids), q, k, v, segments)
     if kind == "gather":  # runs in the pipeline's per-device code only (ZB-H1)
         if not manual:
             raise ValueError("gather attention runs inside a shard_map manual over its axis")

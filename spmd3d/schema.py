@@ -244,6 +244,10 @@ class ParallelConfig:
                                           "filling the bubble; saves at most p; interleaved "
                                           "with repeats)")
     sequence_parallel: bool = doc(False, "Megatron SP: norms and residual split over T (tensor)")
+    context: str = doc("ring", "attention with the sequence split over seq: ring (zig-zag "
+                               "ring), ulysses (two all-to-alls to a head split around the "
+                               "local kernel; the kv heads of a tensor shard must divide by "
+                               "seq), or auto (ulysses where it runs, else ring)")
     remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
                              "stage (keep only each stage's input per microbatch)")
     # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):

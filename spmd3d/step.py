@@ -160,7 +160,7 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
         seq_axis = rules.compute["length"]
     inner = without(rules.compute, flat_axes(batch_axis, seq_axis))
     ops = Ops(attention.select(plan.attention, seq_axis, plan.mesh, manual=True,
-                               tile=plan.cfg.model.attention_tile))
+                               tile=plan.cfg.model.attention_tile, local=plan.attention_local))
     model = nnx.merge(graphdef, params)
     stage = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     axis, (p, m) = rules.compute["layers"], (schedule.stages, schedule.microbatches)
@@ -252,7 +252,7 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     # storage order is canonical without a pipeline
     model, par = nnx.merge(graphdef, params), plan.cfg.parallel
     ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh,
-                               tile=plan.cfg.model.attention_tile))
+                               tile=plan.cfg.model.attention_tile, local=plan.attention_local))
     run = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,

@@ -47,6 +47,14 @@ GPU = dict(platform="gpu", dtype="bfloat16", head_dim=128, seq=1)
     ("cudnn", {"documents": True}, "cudnn"),
     ("auto", {"documents": True, "stage": 2}, "cudnn"),  # not in a pipeline's shard_map
     ("pallas", {}, "pallas"),
+    # parallel.context: Ulysses while a tensor shard's kv heads divide by seq
+    ("auto", {"seq": 2, "context": "auto", "kv_heads": 4}, "ulysses"),
+    ("auto", {"seq": 4, "context": "auto", "kv_heads": 2}, "ring"),
+    ("auto", {"seq": 2, "context": "auto", "kv_heads": 4, "branched": True}, "gather"),
+    ("auto", {"seq": 2, "context": "auto", "kv_heads": 4, "stage": 2, "tensor": 2}, "ring"),
+    ("auto", {"seq": 2, "context": "auto", "kv_heads": 4, "stage": 2}, "ulysses"),
+    ("cudnn", {"seq": 2, "context": "ulysses", "kv_heads": 2}, "ulysses"),
+    ("auto", {"seq": 2, "context": "ring", "kv_heads": 4}, "ring"),
 ])
 def test_choose(requested, overrides, kind):
     assert choose(requested, **{**GPU, **overrides}) == kind
@@ -58,6 +66,7 @@ def test_choose(requested, overrides, kind):
     ({"head_dim": 96}, "power of 2"), ({"seq_len": 200}, "multiple of 128"),
     ({"seq": 2}, "whole sequence"), ({"stage": 2}, "pipeline")])
 def test_an_explicit_kernel_that_cannot_run_is_refused(overrides, words):
+    """(And Ulysses where it cannot run: `test_ulysses_that_cannot_run_is_refused`.)"""
     kernel = ("pallas" if words in ("power of 2", "multiple of 128", "whole sequence", "pipeline")
               else "cudnn")
     with pytest.raises(ConfigError, match=words) as e:
@@ -205,3 +214,26 @@ def test_pallas_kernel_equals_the_blocked_one(interpreted, with_documents):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, w in zip(got[1], want[1]):
         assert np.max(np.abs(a - w)) <= 1e-5 * np.max(np.abs(w))
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"kv_heads": 2, "seq": 4}, "do not divide by mesh.seq = 4"),
+    ({"kv_heads": 4, "seq": 2, "branched": True}, "ZB-H1"),
+    ({"kv_heads": 4, "seq": 2, "stage": 2, "tensor": 2}, "mesh.tensor = 1")])
+def test_ulysses_that_cannot_run_is_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        choose("auto", **{**GPU, "context": "ulysses", **overrides})
+    assert e.value.field == "parallel.context"
+
+
+def test_ulysses_runs_the_kernel_of_the_whole_sequence_and_no_zigzag():
+    """On a plan: Ulysses over seq 2 keeps the positions in order and runs, per device, the
+    kernel a one-device plan would (blocked here), said in the plan's first lines."""
+    from helpers import small_config
+    from spmd3d.plan import Plan
+
+    plan = Plan.resolve(small_config(data=4, seq=2, extra=["parallel.context=ulysses"]),
+                        jax.devices()[:8])
+    assert (plan.attention, plan.attention_local, plan.seq_order) == ("ulysses", "blocked", None)
+    assert "attention ulysses (each device's heads over the whole sequence: blocked)" in \
+        plan.describe()

@@ -25,6 +25,13 @@ LAYOUTS = {  # (data, stage, tensor, seq)
                                       extra=["parallel.loss_chunk=8"]),
     "dp2_pp2_seq2_zero1": dict(data=2, stage=2, seq=2, zero=1, micro=2),
     "tp2_seq4_sp_zero3": dict(tensor=2, seq=4, sp=True, zero=3),
+    # Ulysses: all-to-alls over seq around the blocked kernel (8 kv heads: 4 a tensor shard)
+    "ulysses_dp4_seq2": dict(data=4, seq=2, extra=["parallel.context=ulysses"]),
+    "ulysses_tp2_seq4_sp_zero3": dict(tensor=2, seq=4, sp=True, zero=3,
+                                      extra=["parallel.context=ulysses"]),
+    "ulysses_dp2_pp2_seq2_1f1b": dict(data=2, stage=2, seq=2, micro=4,
+                                      extra=["parallel.context=ulysses",
+                                             "parallel.pipeline_schedule=1f1b"]),
 }
 
 
@@ -37,7 +44,7 @@ def reference():
     return reference_run(cfg())
 
 
-GRADS = ["dp2_seq4_tiles2", "pp2_tp2_seq2_chunked_loss"]
+GRADS = ["dp2_seq4_tiles2", "ulysses_tp2_seq4_sp_zero3", "ulysses_dp2_pp2_seq2_1f1b", "pp2_tp2_seq2_chunked_loss"]
 
 
 @pytest.mark.parametrize("name", by_layout(LAYOUTS))

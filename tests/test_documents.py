@@ -84,6 +84,7 @@ LAYOUTS = {
                                extra=("parallel.pipeline_schedule=1f1b",)),
     "pp2_zb_h1_gather2_dp2": dict(stage=2, seq=2, data=2, micro=4,
                                   extra=("parallel.pipeline_schedule=zb_h1",)),
+    "dp2_ulysses4": dict(data=2, seq=4, extra=("parallel.context=ulysses",)),
 }
 
 
@@ -98,8 +99,8 @@ def _loss_and_grads(cfg, batch, **kinds):
 def test_packed_documents_on_8_devices_equal_one(name):
     """The mean loss over the trained labels and every gradient of a batch of packed windows
     on 8 devices (blocked attention with tensor and SP; the zig-zag ring over 2 and 4; with
-    accumulation; through GPipe, 1F1B with the ring and ZB-H1 with all-gathered K/V) equal
-    one device's (1e-5)."""
+    accumulation; through GPipe, 1F1B with the ring and ZB-H1 with all-gathered K/V; Ulysses
+    over 4, the ids gathered) equal one device's (1e-5)."""
     cfg = small_config(**LAYOUTS[name])
     batch = packed_batch(cfg.train.global_batch, cfg.train.seq_len + 1)
     ref_loss, ref = _loss_and_grads(small_config(), batch)

@@ -47,11 +47,12 @@ def default_corpus() -> np.ndarray:
     Capped at 16 MiB. The result is cached and read-only.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in root.rglob("*.py")
-         if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+    files = []
+    # the excluded subtrees are never walked: site-packages may hold gigabytes of packages
+    for top, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        files += [p for p in (Path(top) / n for n in names if n.endswith(".py")) if p.is_file()]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
     arr = np.frombuffer(_concat_files(files, _CORPUS_CAP), dtype=np.uint8)
     arr.setflags(write=False)
     return arr

@@ -43,9 +43,10 @@ def _platform(mesh, topology: Topology) -> tuple[str, float, bool]:
 def _with_kernels(cfg: Config, mesh, topology: Topology,
                   documents: bool) -> tuple[Config, tuple, tuple]:
     """(cfg with `model.dtype` auto resolved: bf16 compute on a GPU, fp32 elsewhere, and
-    `model.expert_kernel`; the attention kind, for packed `documents` or not, and why
-    documents fell back from pallas to cuDNN's dense mask (or ""); the experts' kernel and
-    its warning, or () for a dense model) on the mesh's devices."""
+    `model.expert_kernel`; the attention kind, for packed `documents` or not, the kernel it
+    runs locally (Ulysses' own; else the kind itself) and why documents fell back from pallas
+    to cuDNN's dense mask (or ""); the experts' kernel and its warning, or () for a dense
+    model) on the mesh's devices."""
     platform, capability, devices = _platform(mesh, topology)
     m, experts = cfg.model, ()
     if m.dtype == "auto":
@@ -69,8 +70,15 @@ def _with_kernels(cfg: Config, mesh, topology: Topology,
                                                par.pipeline_schedule).mode == "switch"
     shape = dict(platform=platform, dtype=m.dtype, head_dim=m.dim_per_head, seq=cfg.mesh.seq,
                  hopper=capability >= 9.0, seq_len=cfg.train.seq_len, stage=cfg.mesh.stage)
-    kind = choose(m.attention, branched=branched, documents=documents, **shape)
-    return cfg, (kind, fallback(**shape) if documents and kind == "cudnn" else ""), experts
+    kind = choose(m.attention, branched=branched, documents=documents, context=par.context,
+                  kv_heads=m.num_kv_heads // cfg.mesh.tensor, tensor=cfg.mesh.tensor, **shape)
+    # Ulysses runs a kernel of the whole sequence: the one chosen as if it were not split
+    local = choose(m.attention, documents=documents, **{**shape, "seq": 1}) \
+        if kind == "ulysses" else kind
+    if local != kind:
+        shape["seq"] = 1
+    why = fallback(**shape) if documents and local == "cudnn" else ""
+    return cfg, (kind, local, why), experts
 
 
 def _document_eot(cfg: Config) -> int | None:
@@ -107,6 +115,7 @@ class Plan:
     layer_order: tuple  # storage position -> canonical layer index (-1: a padding slot)
     seq_order: tuple | None  # global position at each place of the token layout (zig-zag)
     attention: str  # an `attention.KINDS` name
+    attention_local: str  # the kernel it runs on a device's sequence (Ulysses': blocked, cudnn...)
     attention_fallback: str = ""  # why packed documents went to cuDNN's mask, not pallas
     experts: tuple = ()  # MoE: (the experts' kernel, `grouped.KERNELS` or capacity; a warning)
     eot: int | None = None  # packed documents end at this token (`data.document_mask`), or None
@@ -142,8 +151,8 @@ class Plan:
     def of(cls, cfg: Config, mesh, topology: Topology) -> "Plan":
         """The decisions for a resolved config on a given mesh."""
         eot = _document_eot(cfg)
-        cfg, (attention, attention_fallback), experts = _with_kernels(cfg, mesh, topology,
-                                                                      eot is not None)
+        cfg, (attention, local, attention_fallback), experts = _with_kernels(
+            cfg, mesh, topology, eot is not None)
         m, par, tr = cfg.mesh, cfg.parallel, cfg.train
         schedule = (Schedule(m.stage, tr.microbatches, par.pipeline_repeats, par.pipeline_schedule)
                     if m.stage > 1 else None)
@@ -160,8 +169,11 @@ class Plan:
             schedule=schedule,
             accum_steps=accum,
             layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
-            seq_order=_order(zigzag_order, tr.seq_len, m.seq) if m.seq > 1 else None,
+            # the ring's zig-zag balances its causal work; Ulysses sees the whole sequence
+            seq_order=(_order(zigzag_order, tr.seq_len, m.seq)
+                       if m.seq > 1 and attention != "ulysses" else None),
             attention=attention,
+            attention_local=local,
             attention_fallback=attention_fallback,
             experts=experts,
             eot=eot,
@@ -265,7 +277,9 @@ class Plan:
                    f"{m.expert}: the experts split {m.expert} ways)" if m.expert > 1 else "")
         lines = [f"mesh {dict(self.mesh.shape)}{experts}, ZeRO-{par.zero_stage}"
                  f"{' (gradients accumulated sharded)' if sharded else ''}, "
-                 f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"]
+                 f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"
+                 + (f" (each device's heads over the whole sequence: {self.attention_local})"
+                    if self.attention == "ulysses" else "")]
         if self.experts:
             kernel, warning = self.experts
             how = ("fixed buffers of capacity factor "
@@ -277,7 +291,7 @@ class Plan:
             why = self.attention_fallback
             dense = (", given to cuDNN as a dense T x T mask (its jax call takes no document "
                      f"ids){'; warning: pallas ' + why if why else ''}"
-                     if self.attention == "cudnn" else "")
+                     if self.attention_local == "cudnn" else "")
             lines.append(f"documents: each attends to itself alone (end of text: id {self.eot})"
                          f"{dense}")
         if self.cfg.model.fp8 != "off":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .. import moe, ring, vocab
+from .. import moe, ring, ulysses, vocab
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
@@ -44,7 +44,8 @@ def flops(plan) -> dict:
     cfg, s, n = plan.cfg, plan.schedule, plan.num_devices
     m, t, remat = cfg.model, cfg.train.seq_len, cfg.parallel.remat
     tokens = cfg.train.global_batch * t / n
-    keys = 0.5 * t if plan.attention in ("cudnn", "ring", "gather") else _keys_per_query(plan)
+    keys = (0.5 * t if plan.attention_local in ("cudnn", "pallas", "ring", "gather")
+            else _keys_per_query(plan))
     matmul_fwd = 2 * m.num_layers * m.active_layer_params  # per token, one forward of the layers
     attention_fwd = 4 * m.num_layers * m.num_heads * m.dim_per_head * keys
     redo = redone(plan)  # save_dots keeps the matmuls' results, not the scores
@@ -139,12 +140,21 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
                                                     bwd, remat != "none"):
             add(what, kind, (axis,), nbytes)
 
-    # seq: what the ring (or ZB-H1's gather) moves (`ring.traffic`)
+    # seq: what the ring (or ZB-H1's gather) moves (`ring.traffic`), or Ulysses
+    # (`ulysses.traffic`)
     inlined = applies("one_trip_loops_inlined")
-    for what, kind, nbytes in ring.traffic(q, plan.attention == "gather", n * w.kv * c,
-                                           n * w.kv * F32, fwd, restage, fwd * redone(plan),
-                                           bwd, inlined):
-        add(what, kind, (SEQ,), nbytes)
+    if plan.attention == "ulysses":  # recomputed as attention is: save_dots keeps matmuls only
+        heads = m.num_heads / t * m.dim_per_head
+        again = fwd * (redone(plan) + (remat == "save_dots"))
+        for what, kind, nbytes in ulysses.traffic(q, n * heads * c, n * w.kv * c,
+                                                  fwd + restage, again, bwd,
+                                                  n * 4 if plan.eot is not None else 0):
+            add(what, kind, (SEQ,), nbytes)
+    elif plan.attention in ("ring", "gather"):
+        for what, kind, nbytes in ring.traffic(q, plan.attention == "gather", n * w.kv * c,
+                                               n * w.kv * F32, fwd, restage,
+                                               fwd * redone(plan), bwd, inlined):
+            add(what, kind, (SEQ,), nbytes)
 
     # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
     if s is not None:

@@ -183,7 +183,7 @@ def _keys_per_query(plan) -> float:
     from ..attention import computed_fraction
 
     t, seq = plan.cfg.train.seq_len, plan.degrees.seq
-    if plan.attention == "cudnn":
+    if plan.attention_local in ("cudnn", "pallas"):
         return 0.0
     if plan.attention in ("ring", "gather"):  # a step scores a query against one device's keys
         return t / seq
@@ -244,11 +244,12 @@ def _kernel_working(plan, mlp_recomputed: float) -> float:
     from ..attention import working
 
     m, deg = plan.cfg.model, plan.degrees
-    held = working(plan.attention, heads=m.num_heads / deg.tensor,
-                   kv_heads=m.num_kv_heads / deg.tensor, head_dim=m.dim_per_head,
-                   seq_len=plan.cfg.train.seq_len, seq=deg.seq, itemsize=itemsize(m.dtype),
-                   tile=m.attention_tile)
-    return max(0.0, held - mlp_recomputed) if plan.attention == "blocked" else held
+    kind = plan.attention_local  # Ulysses': its kernel over the whole sequence
+    held = working(kind, heads=m.num_heads / deg.tensor, kv_heads=m.num_kv_heads / deg.tensor,
+                   head_dim=m.dim_per_head, seq_len=plan.cfg.train.seq_len,
+                   seq=1 if plan.attention == "ulysses" else deg.seq,
+                   itemsize=itemsize(m.dtype), tile=m.attention_tile)
+    return max(0.0, held - mlp_recomputed) if kind == "blocked" else held
 
 
 def memory(plan) -> dict:

@@ -92,13 +92,15 @@ def of(plan) -> LayerBytes:
     local = replace(m, num_layers=1, vocab_size=8, num_heads=m.num_heads // t,
                     num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t,
                     d_ff_expert=m.expert_width // t)
-    return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq, ep)
+    return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq, ep,
+                  plan.attention_local)
 
 
 @functools.lru_cache(maxsize=256)
-def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1) -> LayerBytes:
+def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") -> LayerBytes:
     """Per device; under expert parallelism the layer is traced on `ep` devices over
-    `expert` (its MoE block gathers their tokens) and its values' bytes divided by `ep`."""
+    `expert` (its MoE block gathers their tokens) and its values' bytes divided by `ep`;
+    Ulysses (`kernel`) with the kernel it runs over the whole sequence (`inner`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -108,15 +110,20 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1) -> LayerBytes:
     from ..model import abstract_model
     from ..ops import Ops
     from ..ring import gathered_attention_local, ring_attention_local
+    from ..ulysses import ulysses_local
 
     from ..mesh import SEQ
 
     axis = SEQ
-    attend = {"blocked": causal_attention,
-              "cudnn": lambda q, k, v: ring_attention_local(q, k, v, axis, 1),
+    flash = lambda q, k, v, *_: ring_attention_local(q, k, v, axis, 1)  # noqa: E731
+    local = {"blocked": lambda q, k, v, *_: causal_attention(q, k, v), "cudnn": flash,
+             "pallas": flash}
+    attend = {**local,
               "ring": lambda q, k, v: ring_attention_local(q, k, v, axis, seq),
-              "gather": lambda q, k, v: gathered_attention_local(q, k, v, axis, seq)}[kernel]
-    env = [(axis, seq if kernel in ("ring", "gather") else 1)]
+              "gather": lambda q, k, v: gathered_attention_local(q, k, v, axis, seq),
+              "ulysses": lambda q, k, v: ulysses_local(q, k, v, axis, seq,
+                                                       local.get(inner, flash))}[kernel]
+    env = [(axis, seq if kernel in ("ring", "gather", "ulysses") else 1)]
     model = nnx.merge(*abstract_model(m))
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                           nnx.state(model.blocks))
