@@ -2,8 +2,8 @@
 
 The model and the batch (global batch, sequence length) are the config's; the search varies the
 layout: the mesh (data, stage, tensor, seq; for an MoE model its expert-parallel degree too),
-the ZeRO stage, the pipeline's schedule and repeats, the microbatches, remat and sequence
-parallelism. Every candidate the config's checks accept is
+the ZeRO stage, the pipeline's schedule and repeats, the microbatches, remat, sequence
+parallelism and, with the sequence split, the ring or Ulysses (`parallel.context`). Every candidate the config's checks accept is
 estimated by arithmetic (`estimate.py`, about a millisecond each), those that need more than
 `FIT` of a device's memory are dropped and the rest ranked by predicted step time.
 
@@ -92,21 +92,30 @@ class Candidate:
         deg = self.plan.degrees
         return ((deg.batch, deg.stage, deg.tensor, deg.seq, deg.expert),
                 c.parallel.zero_stage, c.parallel.sequence_parallel, c.parallel.remat,
-                (s.kind, s.repeats) if s else None, c.train.microbatches)
+                (s.kind, s.repeats) if s else None, c.train.microbatches, c.parallel.context)
 
 
 def _layout(cfg: Config, mesh: dict, kind: str, repeats: int, micro: int, sp: bool,
-            zero: int, remat: str) -> Config:
+            zero: int, remat: str, context: str = "ring") -> Config:
     return replace(
         cfg, mesh=replace(cfg.mesh, **mesh),
         parallel=replace(cfg.parallel, zero_stage=zero, sequence_parallel=sp, remat=remat,
-                         pipeline_schedule=kind, pipeline_repeats=repeats),
+                         pipeline_schedule=kind, pipeline_repeats=repeats, context=context),
         train=replace(cfg.train, microbatches=micro))
 
 
 def evaluate(cfg: Config, topology) -> Candidate:
     plan = Plan.resolve(cfg, topology=topology)
     return Candidate(plan, estimate.estimate(plan))
+
+
+def _choices(mesh: dict):
+    """(sequence parallelism, remat, context) for a mesh: SP with tensor only, the ring or
+    Ulysses with seq only (Ulysses where the kv heads divide: the plan refuses it elsewhere)."""
+    for sp in (False, True) if mesh["tensor"] > 1 else (False,):
+        for remat in REMATS:
+            for context in ("ring", "ulysses") if mesh["seq"] > 1 else ("ring",):
+                yield sp, remat, context
 
 
 def search(cfg: Config, topology, devices: int) -> dict:
@@ -116,23 +125,22 @@ def search(cfg: Config, topology, devices: int) -> dict:
     ranked, tried, valid, smallest = [], 0, 0, None
     for mesh in meshes(cfg, topology.devices_per_node, devices):
         for kind, repeats, micro in pipelines(cfg, mesh):
-            for sp in (False, True) if mesh["tensor"] > 1 else (False,):
-                for remat in REMATS:
-                    best = None  # the fastest ZeRO stage that fits (the lowest of equals)
-                    for zero in range(4):
-                        tried += 1
-                        try:
-                            c = evaluate(_layout(cfg, mesh, kind, repeats, micro, sp, zero,
-                                                 remat), topology)
-                        except ConfigError:
-                            continue
-                        valid += 1
-                        if smallest is None or c.needed < smallest.needed:
-                            smallest = c
-                        if c.needed <= limit and (best is None or c.step_s < best.step_s):
-                            best = c
-                    if best is not None:
-                        ranked.append(best)
+            for sp, remat, context in _choices(mesh):
+                best = None  # the fastest ZeRO stage that fits (the lowest of equals)
+                for zero in range(4):
+                    tried += 1
+                    try:
+                        c = evaluate(_layout(cfg, mesh, kind, repeats, micro, sp, zero, remat,
+                                             context), topology)
+                    except ConfigError:
+                        continue
+                    valid += 1
+                    if smallest is None or c.needed < smallest.needed:
+                        smallest = c
+                    if c.needed <= limit and (best is None or c.step_s < best.step_s):
+                        best = c
+                if best is not None:
+                    ranked.append(best)
     ranked.sort(key=lambda c: (c.step_s, c.needed))
     return {"ranked": ranked, "tried": tried, "valid": valid, "smallest": smallest}
 
@@ -146,12 +154,14 @@ def describe(c: Candidate) -> dict:
     return {"mesh": mesh, "zero": par.zero_stage, "sp": par.sequence_parallel,
             "schedule": f"{s.kind} v{s.repeats}" if s else "none",
             "microbatches": p.cfg.train.microbatches, "remat": par.remat,
+            "context": p.attention if p.degrees.seq > 1 else "-",
             "needed_gb": c.needed / 1e9, "step_s": t["step_s"], "mfu": t["mfu"],
             "bubble_s": t["bubble_s"], "recompute_s": t["recompute_s"],
             "exposed_comm_s": t["exposed_comm_s"]}
 
 
-HEADER = (f"{'rank':>4}  {'data':>5} {'expert':>6} {'stage':>5} {'tensor':>6} {'seq':>3}  "
+HEADER = (f"{'rank':>4}  {'data':>5} {'expert':>6} {'stage':>5} {'tensor':>6} {'seq':>3} "
+          f"{'context':<7}  "
           f"{'ZeRO':>4}  "
           f"{'SP':<3}  {'schedule':<9} {'micro':>5}  {'remat':<9} {'GB':>6}  {'step s':>7}  "
           f"{'MFU':>6}   {'bubble':>7} {'recompute':>9} {'comm':>7}")
@@ -160,7 +170,7 @@ HEADER = (f"{'rank':>4}  {'data':>5} {'expert':>6} {'stage':>5} {'tensor':>6} {'
 def row(rank, d: dict) -> str:
     m = d["mesh"]
     return (f"{rank:>4}  {m['data']:>5} {m.get('expert', 1):>6} {m['stage']:>5} {m['tensor']:>6} "
-            f"{m['seq']:>3}  "
+            f"{m['seq']:>3} {d.get('context', '-'):<7}  "
             f"{d['zero']:>4}  {'yes' if d['sp'] else 'no':<3}  {d['schedule']:<9} "
             f"{d['microbatches']:>5}  {d['remat']:<9} {d['needed_gb']:>6.1f}  {d['step_s']:>7.3f}  "
             f"{d['mfu']:>6.1%}   {d['bubble_s']:>7.3f} {d['recompute_s']:>9.3f} "
