@@ -119,6 +119,15 @@ def merge(acc, new):
     return o1 * rows(a1) + o2 * rows(a2), m, l1 * a1 + l2 * a2
 
 
+def _tied(vis: Visible, q):
+    """(vis, q) through one optimization barrier: the positions and ids then depend on the
+    queries. Under `jax.checkpoint` in a scanned layer, values that depend on nothing being
+    differentiated are computed once in the forward and saved for the backward: every tile's
+    mask (and, behind a `cond` on it, every tile's scores) stacked whole, the very T x T this
+    module avoids. Tied to q, they are recomputed per tile like everything else."""
+    return jax.lax.optimization_barrier((vis, q))
+
+
 def _skippable(vis: Visible, tiled: bool) -> bool:
     """Whether a tile may see no key at all: with documents, or causal and tiled."""
     return vis.seg_q is not None or (tiled and vis.pos_q is not None)
@@ -130,6 +139,7 @@ def attend(q, k, v, scale, vis: Visible, tile: int = TILE):
     sq, sk = tile_size(q.shape[1], tile), tile_size(k.shape[1], tile)
     tiled = (sq, sk) != (q.shape[1], k.shape[1])
     axes = _axes(q, k, v, vis.seg_q, vis.seg_k)
+    vis, q = _tied(vis, q)
 
     def one(acc, q_i, k_j, v_j, vis_ij):
         mask = vis_ij.mask()
@@ -183,6 +193,7 @@ def attend_bwd(q, k, v, do, lse, delta, scale, vis: Visible, tile: int = TILE):
     sq, sk = tile_size(q.shape[1], tile), tile_size(k.shape[1], tile)
     tiled = (sq, sk) != (q.shape[1], k.shape[1])
     axes = _axes(q, k, v, do, vis.seg_q, vis.seg_k)
+    vis, q = _tied(vis, q)
 
     def one(q_i, k_j, v_j, do_i, lse_i, delta_i, vis_ij):
         mask = vis_ij.mask()

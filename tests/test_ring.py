@@ -125,18 +125,25 @@ def test_tiled_ring_steps_equal_dense(n, tile, gather, with_documents):
 
 
 def test_a_ring_step_holds_score_tiles_not_the_half_block():
-    """Compiled, the ring's forward and backward hold [B, K, G, tile, tile] score tiles: no
-    score array spans more than `tile` queries or keys (the whole step's [T_local, T_local/2]
-    scores were the largest temporaries at long context)."""
+    """Compiled, two scanned layers of the ring under `jax.checkpoint` (as the step runs
+    them with remat), forward and backward, hold [B, K, G, tile, tile] score tiles: no score
+    array spans more than `tile` queries or keys, and no array is larger than the layers'
+    saved inputs (checkpointing once stacked every tile's mask and scores: computed from
+    positions alone, jax saved them rather than recompute them)."""
+    import math
     import re
 
     n, tile, t = 2, 16, 256
-    q = jax.random.normal(jax.random.key(0), (1, t, K, G, H))
-    kv = jax.random.normal(jax.random.key(1), (1, t, K, H))
+    x = jax.random.normal(jax.random.key(0), (1, t, K, G, H))
     mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
-    f = jax.shard_map(lambda q, k, v: ring_attention_local(q, k, v, "seq", n, None, tile),
-                      mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
-    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
-    text = step.lower(q, kv, kv).compile().as_text()
-    scores = {tuple(map(int, s)) for s in re.findall(rf"f32\[1,{K},{G},(\d+),(\d+)\]", text)}
+
+    def layer(x, _):
+        return ring_attention(x, x[..., 0, :], x[..., 1, :], "seq", mesh, None, tile), None
+
+    body = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    step = jax.jit(jax.grad(lambda x: jnp.sum(jax.lax.scan(body, x, None, length=2)[0])))
+    text = step.lower(x).compile().as_text()
+    shapes = {tuple(map(int, s.split(","))) for s in re.findall(r"(?:f32|pred)\[([\d,]+)\]", text)}
+    scores = {s[-2:] for s in shapes if len(s) >= 5 and s[-3:-2] == (G,)}
     assert scores and max(max(s) for s in scores) == tile, scores
+    assert max(math.prod(s) for s in shapes) <= 2 * x.size, sorted(shapes, key=math.prod)[-3:]
