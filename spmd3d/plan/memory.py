@@ -102,8 +102,9 @@ def state_bytes(plan) -> dict:
 def gathered_layers(plan) -> int:
     """ZeRO-3 with a pipeline (`parallel.zero3_gather=step`): the stage's layers gathered over
     data for the step (its compute shard: split over stage and tensor only) and their fp32
-    gradient accumulator."""
-    if not (plan.schedule and plan.rules.params_over_batch
+    gradient accumulator. Nothing when the batch is not split (data 1: the gather is the
+    identity, and the compiled step holds what ZeRO-1 holds)."""
+    if not (plan.schedule and plan.rules.params_over_batch and plan.degrees.batch > 1
             and plan.cfg.parallel.zero3_gather == "step"):
         return 0
     return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
