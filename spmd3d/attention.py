@@ -172,20 +172,21 @@ LOCAL = {"blocked": lambda q, k, v, ids: causal_attention(q, k, v, segments=ids)
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,
            hopper: bool = False, branched: bool = False, seq_len: int = 128,
            stage: int = 1, documents: bool = False, context: str = "ring", kv_heads: int = 1,
-           tensor: int = 1) -> str:
+           tensor: int = 1, across_nodes: bool = False) -> str:
     """The attention kind (see the table) for `model.attention = requested` on `platform`
     with compute `dtype`, `head_dim`, sequences of `seq_len` split over `seq` devices and,
     with `documents`, packed documents; `stage`: the pipeline's stages; `branched`: the layers
     run inside per-device branches (ZB-H1); `context` (`parallel.context`), `kv_heads` (a
     tensor shard's) and `tensor`: ring or Ulysses over `seq` (Ulysses' own kernel: `choose`
-    with seq 1). An explicit kernel or context that cannot run raises ConfigError naming its
-    field; `auto` falls back (`fallback` says why)."""
+    with seq 1; `auto` takes the ring where `seq` spans nodes: `across_nodes`). An explicit
+    kernel or context that cannot run raises ConfigError naming its field; `auto` falls back
+    (`fallback` says why)."""
     if seq > 1:
         why = _why_not_ulysses(seq=seq, kv_heads=kv_heads, branched=branched, stage=stage,
                                tensor=tensor)
         if context == "ulysses" and why:
             raise ConfigError("parallel.context", f"ulysses {why}; use ring or auto")
-        if context != "ring" and not why:
+        if context == "ulysses" or (context == "auto" and not why and not across_nodes):
             return "ulysses"
     kernels = {name: why(platform=platform, dtype=dtype, head_dim=head_dim, seq=seq,
                          hopper=hopper, seq_len=seq_len, stage=stage)

@@ -260,6 +260,7 @@ def validate(cfg: Config) -> None:
     _need(par.zero3_gather in ("step", "tick"), "parallel.zero3_gather", "must be step or tick")
     _need(par.context in ("auto", "ring", "ulysses"), "parallel.context",
           "must be auto, ring or ulysses")
+    _need(cfg.mesh.inside in ("seq", "tensor"), "mesh.inside", "must be seq or tensor")
     _need(par.pipeline_schedule == "gpipe" or par.zero3_gather == "step" or par.zero_stage < 3,
           "parallel.zero3_gather", "tick needs parallel.pipeline_schedule=gpipe (1f1b and zb_h1 "
           "gather each stage's layers once per step)")

@@ -61,7 +61,7 @@ def resize(cfg: Config, processes: int, local_devices: int, full_processes: int 
             micro += 1
         try:
             new = override(cfg, mesh=dict(data=data), train=dict(microbatches=micro))
-            split_over_hosts(new.mesh.sizes(), local_devices, p, m.allow_cross_host)
+            split_over_hosts(new.mesh.sizes(), local_devices, p, m.allow_cross_host, m.inside)
         except ConfigError as e:
             why.append(f"{p}: {e}")
             continue

@@ -203,16 +203,17 @@ def simulate(n: int = 8) -> int:
     return n
 
 
-def split_over_hosts(sizes: dict, per_host: int, hosts: int,
-                     allow_cross_host: bool = False) -> tuple[list[int], list[int]]:
+def split_over_hosts(sizes: dict, per_host: int, hosts: int, allow_cross_host: bool = False,
+                     inside: str = SEQ) -> tuple[list[int], list[int]]:
     """(sizes inside a host, sizes across hosts), both in AXES order, for `hosts` hosts of
     `per_host` devices each.
 
-    A host is filled fastest-axis first (seq, tensor, stage, data), so `tensor` and `seq`,
-    which communicate twice per layer, stay on the fast intra-host links and `stage`/`data`
-    take whatever must cross hosts. A layout that still puts `tensor` or `seq` across hosts
-    raises ConfigError unless `allow_cross_host`: it runs, but every layer would wait on the
-    slow inter-host network.
+    A host is filled fastest-axis first (seq, tensor, stage, data; with `inside` = tensor,
+    tensor before seq), so `tensor` and `seq`, which communicate every layer, stay on the
+    fast intra-host links and `stage`/`data` take whatever must cross hosts. A layout that
+    still puts `tensor` across hosts, or `seq` unless `inside` is tensor (the ring across
+    nodes, which long context asks for), raises ConfigError unless `allow_cross_host`: it
+    runs, but every layer would wait on the slow inter-host network.
     """
     from .config import ConfigError
 
@@ -222,28 +223,35 @@ def split_over_hosts(sizes: dict, per_host: int, hosts: int,
         raise ConfigError("mesh", f"data*stage*tensor*seq = {total} but there are {hosts} "
                                   f"hosts of {per_host} devices")
     inner, room = {}, per_host
-    for a in reversed(names):  # seq, tensor, (expert,) stage, data
+    order = list(reversed(names))  # seq, tensor, (expert,) stage, data
+    if inside == TENSOR:
+        order.remove(TENSOR)
+        order.insert(0, TENSOR)
+    for a in order:
         inner[a] = int(np.gcd(sizes[a], room))
         room //= inner[a]
     # room always ends at 1 (each gcd takes every factor the axis can give, and the product
     # holds all of per_host's): each host gets one whole block of the mesh
     outer = {a: sizes[a] // inner[a] for a in names}
     for a in (TENSOR, SEQ):
-        if outer[a] > 1 and not allow_cross_host:
+        if outer[a] > 1 and not allow_cross_host and not (a == SEQ and inside == TENSOR):
             inside = " x ".join(f"{b} {inner[b]}" for b in names if inner[b] > 1) or "nothing"
             raise ConfigError(f"mesh.{a}", (
                 f"{a} = {sizes[a]} would span {outer[a]} hosts (a host has {per_host} devices, "
                 f"holding {inside}); {a} talks every layer and needs the fast links inside a "
-                f"host: lower mesh.{a}, or set mesh.allow_cross_host=true to run it anyway"))
+                f"host: lower mesh.{a}"
+                + (", set mesh.inside=tensor to keep tensor inside and let seq span hosts,"
+                   if a == TENSOR and sizes[TENSOR] <= per_host else ",")
+                + " or set mesh.allow_cross_host=true to run it anyway"))
     return [inner[a] for a in names], [outer[a] for a in names]
 
 
-def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
+def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False, inside: str = SEQ):
     """A `jax.sharding.Mesh` over AXES with Auto axis types (GSPMD/Shardy propagation).
 
     With several processes (hosts) the device order is hybrid: each host's devices fill
-    `seq`, `tensor`, then `stage`/`data` first, so the fast axes never cross a host
-    (`split_over_hosts`; ConfigError if they would, unless `allow_cross_host`).
+    `seq`, `tensor` (`inside` first), then `stage`/`data`, so the fast axes never cross a
+    host (`split_over_hosts`; ConfigError if they would, unless `allow_cross_host`).
     """
     import jax
     from jax.experimental import mesh_utils
@@ -256,7 +264,8 @@ def make_mesh(sizes: dict, devices=None, allow_cross_host: bool = False):
         raise ValueError(f"mesh {sizes} needs {int(np.prod(shape))} devices, got {len(devices)}")
     hosts = len({d.process_index for d in devices})
     if hosts > 1:
-        inner, outer = split_over_hosts(sizes, len(devices) // hosts, hosts, allow_cross_host)
+        inner, outer = split_over_hosts(sizes, len(devices) // hosts, hosts, allow_cross_host,
+                                        inside)
         grid = mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
     else:
         grid = np.asarray(devices).reshape(shape)

@@ -211,6 +211,9 @@ class MeshConfig:
     # With several hosts, tensor and seq must fit inside one host (their collectives run every
     # layer); true lets a layout put them across hosts anyway (slow, but it runs).
     allow_cross_host: bool = doc(False, "let tensor and seq span hosts")
+    inside: str = doc("seq", "which of seq and tensor fills a host's devices first (seq: both "
+                             "stay inside a host; tensor: tensor inside, and seq may span "
+                             "hosts, as long context wants: the ring across nodes)")
 
     def sizes(self) -> dict[str, int]:
         """Mesh axis sizes; with expert parallelism, `data` is built as two axes, `data`

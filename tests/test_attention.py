@@ -55,6 +55,7 @@ GPU = dict(platform="gpu", dtype="bfloat16", head_dim=128, seq=1)
     ("auto", {"seq": 2, "context": "auto", "kv_heads": 4, "stage": 2}, "ulysses"),
     ("cudnn", {"seq": 2, "context": "ulysses", "kv_heads": 2}, "ulysses"),
     ("auto", {"seq": 2, "context": "ring", "kv_heads": 4}, "ring"),
+    ("auto", {"seq": 2, "context": "auto", "kv_heads": 4, "across_nodes": True}, "ring"),
 ])
 def test_choose(requested, overrides, kind):
     assert choose(requested, **{**GPU, **overrides}) == kind

@@ -265,6 +265,20 @@ def test_tensor_or_seq_across_hosts_is_an_error(sizes, per_host, hosts, field):
         assert "mesh.allow_cross_host=true" in str(e.value)
 
 
+def test_tensor_inside_lets_seq_span_hosts():
+    """mesh.inside=tensor: tensor 8 x seq 8 on hosts of 8 keeps tensor inside each host and
+    runs the ring across them; by default (seq first) tensor would span hosts, and the error
+    names the field that fixes it."""
+    sizes = _sizes(1, 1, 8, 8)
+    assert split_over_hosts(sizes, 8, 8, inside="tensor") == ([1, 1, 8, 1], [1, 1, 1, 8])
+    with pytest.raises(ConfigError, match="mesh.inside=tensor") as e:
+        split_over_hosts(sizes, 8, 8)
+    assert e.value.field == "mesh.tensor"
+    with pytest.raises(ConfigError) as e:  # tensor itself larger than a host: still refused
+        split_over_hosts(_sizes(1, 1, 16, 4), 8, 8, inside="tensor")
+    assert e.value.field == "mesh.tensor"
+
+
 def test_allow_cross_host_forces_the_layout():
     inner, outer = split_over_hosts(_sizes(2, 1, 2, 2), 2, 4, allow_cross_host=True)
     assert (inner, outer) == ([1, 1, 1, 2], [2, 1, 2, 1])

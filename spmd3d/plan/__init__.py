@@ -70,8 +70,12 @@ def _with_kernels(cfg: Config, mesh, topology: Topology,
                                                par.pipeline_schedule).mode == "switch"
     shape = dict(platform=platform, dtype=m.dtype, head_dim=m.dim_per_head, seq=cfg.mesh.seq,
                  hopper=capability >= 9.0, seq_len=cfg.train.seq_len, stage=cfg.mesh.stage)
+    # with tensor filling a node first, a seq group larger than what is left spans nodes
+    across = (cfg.mesh.inside == "tensor"
+              and cfg.mesh.tensor * cfg.mesh.seq > topology.devices_per_node)
     kind = choose(m.attention, branched=branched, documents=documents, context=par.context,
-                  kv_heads=m.num_kv_heads // cfg.mesh.tensor, tensor=cfg.mesh.tensor, **shape)
+                  kv_heads=m.num_kv_heads // cfg.mesh.tensor, tensor=cfg.mesh.tensor,
+                  across_nodes=across, **shape)
     # Ulysses runs a kernel of the whole sequence: the one chosen as if it were not split
     local = choose(m.attention, documents=documents, **{**shape, "seq": 1}) \
         if kind == "ulysses" else kind
@@ -133,7 +137,8 @@ class Plan:
             cfg = resolve_mesh(cfg, len(devices))
             topo = topology if isinstance(topology, Topology) else load_topology(
                 topology or cfg.mesh.topology, devices[0].platform)
-            mesh = make_mesh(cfg.mesh.sizes(), devices, cfg.mesh.allow_cross_host)
+            mesh = make_mesh(cfg.mesh.sizes(), devices, cfg.mesh.allow_cross_host,
+                             cfg.mesh.inside)
         else:
             topo = topology if isinstance(topology, Topology) else load_topology(topology, "gpu")
             cfg = resolve_mesh(cfg, topo.num_devices if cfg.mesh.data == -1
@@ -143,7 +148,7 @@ class Plan:
                 if total % per_node:
                     raise ConfigError("mesh", f"{total} devices are not whole nodes of {per_node}")
                 split_over_hosts(cfg.mesh.sizes(), per_node, total // per_node,
-                                 cfg.mesh.allow_cross_host)
+                                 cfg.mesh.allow_cross_host, cfg.mesh.inside)
             mesh = abstract_mesh(cfg.mesh.sizes())
         return cls.of(cfg, mesh, topo)
 

@@ -71,7 +71,7 @@ def _crosses_nodes(plan) -> dict:
     if total <= topo.devices_per_node or total % topo.devices_per_node:
         return {a: False for a in names}
     _, outer = split_over_hosts(sizes, topo.devices_per_node, total // topo.devices_per_node,
-                                True)
+                                True, plan.cfg.mesh.inside)
     return {a: o > 1 for a, o in zip(names, outer)}
 
 
