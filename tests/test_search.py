@@ -192,3 +192,18 @@ def test_calibrate_makes_the_prediction_the_measurement(tmp_path):
     path.write_text(json.dumps({"step_time_median_s": 1.0}))
     with pytest.raises(config.ConfigError, match="lacks cfg, devices, peak_tflops"):
         calibrate(str(path), topology)
+
+
+def test_long_context_meshes_may_run_the_ring_across_nodes():
+    """At long context the search also lays tensor inside a node and seq across nodes
+    (`mesh.inside=tensor`), never with a device's share of a sequence below
+    ACROSS_MIN_TOKENS, and never tensor itself across nodes."""
+    def across(seq_len):
+        cfg = config.load(None, MODEL + ["mesh.data=8", "mesh.tensor=1",
+                                         f"train.seq_len={seq_len}"])
+        return [m for m in search.meshes(cfg, 4, 64) if m["tensor"] * m["seq"] > 4]
+
+    long = across(131072)
+    assert long and all(m["inside"] == "tensor" and 4 % m["tensor"] == 0 for m in long)
+    assert all(131072 // m["seq"] >= search.ACROSS_MIN_TOKENS for m in long)
+    assert across(4096) == []

@@ -7,7 +7,8 @@ parallelism and, with the sequence split, the ring or Ulysses (`parallel.context
 estimated by arithmetic (`estimate.py`, about a millisecond each), those that need more than
 `FIT` of a device's memory are dropped and the rest ranked by predicted step time.
 
-tensor and seq stay inside a node (they talk every layer), so their product divides it. The
+tensor stays inside a node (it talks every layer), and so does seq, unless tensor fills the
+node first and the ring crosses nodes (`mesh.inside=tensor`, long context's layout). The
 ZeRO stage changes only memory and the communication over data: of the four, the table keeps
 the fastest that fits (the lowest of equals) for each of the other choices.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from ..config import Config, ConfigError
 from . import Plan, estimate
 
+ACROSS_MIN_TOKENS = 8192  # a device's tokens of a sequence below which seq stays in a node
 FIT = 0.9  # of a device's memory a layout may plan for: the rest is the runtime's (CUDA
 # context, NCCL buffers, the allocator's fragmentation)
 REMATS = ("none", "save_dots", "full", "stage")  # least recompute first
@@ -31,22 +33,26 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(cfg: Config, per_node: int, devices: int):
-    """{data, stage, tensor, seq} of every mesh of `devices` with tensor x seq inside a node;
-    for an MoE model each with every expert-parallel degree (`expert`: dividing data and the
-    expert count)."""
+    """{data, stage, tensor, seq} of every mesh of `devices` with tensor x seq inside a node,
+    or tensor inside and seq across nodes (`inside`: tensor); for an MoE model each with
+    every expert-parallel degree (`expert`: dividing data and the expert count)."""
     m, t = cfg.model, cfg.train
     for tensor in _divisors(min(per_node, devices)):
         if m.num_kv_heads % tensor or m.d_ff % tensor or m.vocab_size % tensor or (
                 m.is_moe and m.expert_width % tensor):
             continue
-        for seq in _divisors(min(per_node, devices) // tensor):
-            if devices % (tensor * seq) or (seq > 1 and t.seq_len % (2 * seq)):
+        for seq in _divisors(devices // tensor):
+            across = tensor * seq > per_node  # only for long context: ring steps of a tile or more
+            if (devices % (tensor * seq) or (seq > 1 and t.seq_len % (2 * seq))
+                    or (across and (per_node % tensor or seq % (per_node // tensor)
+                                    or t.seq_len // seq < ACROSS_MIN_TOKENS))):
                 continue
             for stage in _divisors(devices // (tensor * seq)):
                 data = devices // (tensor * seq * stage)
                 if stage > m.num_layers or t.global_batch % data:
                     continue
-                mesh = {"data": data, "stage": stage, "tensor": tensor, "seq": seq}
+                mesh = {"data": data, "stage": stage, "tensor": tensor, "seq": seq,
+                        **({"inside": "tensor"} if across else {})}
                 if not m.is_moe:
                     yield mesh
                     continue
