@@ -33,7 +33,7 @@ TILE = 1024  # queries and keys a score tile spans at most (`tile_size`)
 class Visible(NamedTuple):
     """Which keys each query of a block sees: causal by global positions `pos_q`[T] >=
     `pos_k`[S] (None: all), and of one document by ids `seg_q`[B, T] == `seg_k`[B, S] (None:
-    no documents). Tiles of it are sliced along with the queries and keys."""
+    no documents). Tiles of it go with the queries' and keys' tiles (`_tile_views`)."""
 
     pos_q: jax.Array | None = None
     pos_k: jax.Array | None = None
@@ -49,16 +49,6 @@ class Visible(NamedTuple):
             same = (self.seg_q[:, :, None] == self.seg_k[:, None, :])[:, None, None]
             m = same if m is None else m & same
         return m
-
-    def queries(self, lo, hi):
-        return self._replace(pos_q=_cut(self.pos_q, 0, lo, hi), seg_q=_cut(self.seg_q, 1, lo, hi))
-
-    def keys(self, lo, hi):
-        return self._replace(pos_k=_cut(self.pos_k, 0, lo, hi), seg_k=_cut(self.seg_k, 1, lo, hi))
-
-
-def _cut(x, axis, lo, hi):
-    return None if x is None else jax.lax.slice_in_dim(x, lo, hi, axis=axis)
 
 
 def tile_size(n: int, tile: int) -> int:

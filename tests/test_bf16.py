@@ -46,6 +46,10 @@ LAYOUTS = {  # one per axis and ZeRO stage, and each schedule over stage
                                    extra=["parallel.pipeline_schedule=1f1b"]),
     "dp2_pp2_seq2_zb_h1": dict(data=2, stage=2, seq=2, micro=2,
                                extra=["parallel.pipeline_schedule=zb_h1"]),
+    # the ring's steps in score tiles of 2 (8 local tokens), and Ulysses with tensor and SP
+    "dp2_seq4_tiles2": dict(data=2, seq=4, extra=["model.attention_tile=2"]),
+    "ulysses_dp2_tp2_seq2_sp": dict(data=2, tensor=2, seq=2, sp=True,
+                                    extra=["parallel.context=ulysses"]),
 }
 
 
@@ -68,7 +72,7 @@ MOE_LAYOUTS = {
 }
 
 
-GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3")  # every leaf's gradient at step 0
+GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3", "ulysses_dp2_tp2_seq2_sp")  # every leaf's gradient at step 0
 
 
 def cfg(extra=(), **kw):
