@@ -267,6 +267,10 @@ def validate(cfg: Config) -> None:
     _need(par.loss_chunk >= 0, "parallel.loss_chunk", "must be >= 0 (0: no chunks)")
     _need(par.remat in REMAT_POLICIES, "parallel.remat",
           f"must be one of {', '.join(REMAT_POLICIES)}")
+    _need(not par.remat.startswith("offload") or mesh.stage == 1
+          or par.pipeline_schedule == "gpipe", "parallel.remat",
+          f"{par.remat} needs parallel.pipeline_schedule=gpipe: {par.pipeline_schedule}'s "
+          "stash buffers are in device memory")
     _need(m.num_layers >= mesh.stage * par.pipeline_repeats, "model.num_layers",
           f"{m.num_layers} is fewer than mesh.stage * parallel.pipeline_repeats = "
           f"{mesh.stage * par.pipeline_repeats}: every chunk of the pipeline needs a layer")

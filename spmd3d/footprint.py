@@ -139,6 +139,7 @@ def measure(cfg: Config, topology) -> dict:
         "scanned_for_compile": not real.cfg.parallel.scan_layers,
         "topology": topology.name, "device_memory_bytes": int(topology.device_memory_gb * 1e9),
         "compile_s": seconds, "compiled": compiled_rec, "by_kind": kinds,
+        "platform": jax.devices()[0].platform,
         "needed_bytes": compiled_rec["argument_bytes"] + compiled_rec["temp_bytes"],
         "collectives": [{"kind": k, "axes": list(a), "count": c, "bytes": nbytes[(k, a)]}
                         for (k, a), c in sorted(counts.items())],

@@ -98,8 +98,12 @@ def _advice(plan, largest: str) -> str:
             tips.append("parallel.zero_stage=2")
         tips.append("more mesh.tensor or mesh.stage")
     else:
-        if par.remat in ("none", "save_dots"):
-            tips.append("parallel.remat=full" + (" or stage" if plan.schedule else ""))
+        offload = plan.schedule is None or par.pipeline_schedule == "gpipe"  # its stash: host
+        if par.remat in ("none", "save_dots", "offload_dots"):
+            tips.append("parallel.remat=full" + (" or stage" if plan.schedule else "")
+                        + (" or offload" if offload else ""))
+        elif par.remat == "full" and offload:
+            tips.append("parallel.remat=offload (layer inputs in host memory)")
         if plan.rows_per_microbatch > 1:
             tips.append("more train.microbatches (fewer rows at a time)")
         if mesh.seq == 1:

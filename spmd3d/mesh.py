@@ -114,6 +114,7 @@ class Topology:
     attention_efficiency: float = 0.5  # ... in attention's score and value products
     link_efficiency: float = 0.8  # achieved share of a link's bandwidth by a collective
     overlapped: tuple = ("data",)  # mesh axes whose collectives hide behind compute
+    host_gbps: float = 50.0  # a device's link to its host's memory (PCIe 5 x16), each way
 
     @property
     def num_devices(self) -> int:

@@ -39,6 +39,14 @@ _POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # keep matmul outputs (no batch dims: the projections, not the attention scores)
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the same two, kept in the host's pinned memory instead of the device's: copied out as the
+    # forward makes them, back in as the backward needs them (`offload` keeps the layer's
+    # input, which it names "layer_input"; docs/context.md says when the copies hide)
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+        offload_src="device", offload_dst="pinned_host"),
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"),
 }
 
 
@@ -273,6 +281,7 @@ class Transformer(nnx.Module):
         ops = ops or Ops(causal_attention)
 
         def apply(params, x, rope, on=None, zeros=None):
+            x = checkpoint_name(x, "layer_input")  # what `offload` keeps, on the host
             used = ops if zeros is None else ops.tap(zeros)
             y = nnx.merge(graphdef, params)(x, rope, used)
             y = y if on is None else jnp.where(on, y, x)

@@ -11,7 +11,10 @@ import re
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "save_dots", "stage")
+REMAT_POLICIES = ("none", "full", "save_dots", "stage", "offload", "offload_dots")
+# an offloading policy -> the policy that recomputes what it does (it keeps the same values,
+# in host memory instead of the device's)
+OFFLOADED = {"offload": "full", "offload_dots": "save_dots"}
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
@@ -252,7 +255,9 @@ class ParallelConfig:
                                "local kernel; the kv heads of a tensor shard must divide by "
                                "seq), or auto (ulysses where it runs, else ring)")
     remat: str = doc("none", "none, full (keep layer inputs), save_dots (keep matmul outputs), "
-                             "stage (keep only each stage's input per microbatch)")
+                             "stage (keep only each stage's input per microbatch), offload "
+                             "(full's layer inputs kept in host memory), offload_dots "
+                             "(save_dots' matmul outputs kept in host memory)")
     # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
     # no per-layer copies into stacked residual buffers and scheduling across layers, for
     # compile time that grows with depth -- a win for small, shallow models (see bench_small)

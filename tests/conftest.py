@@ -64,6 +64,8 @@ FAST = (
     "test_fp8.py::test_layouts_give_one_devices_fp8_numbers[dp4_tp2_sp]",
     "test_documents.py::test_packed_documents_on_8_devices_equal_one[dp4_ring2]",
     "test_loss.py::test_loss_chunks",
+    "test_offload.py::test_offloading_matches_one_device[offload_dp2_tp4_sp_zero3]",
+    "test_offload.py::test_a_gpu_program_copies_to_the_host_and_back",
     # the planner against the compiled step
     "test_estimate.py::test_analytic_memory_is_the_compiled_within_5_percent[tensor 2 SP, seq 2, zero3, save_dots]",
     "test_planner_property.py",

@@ -13,6 +13,7 @@ import math
 
 from .. import moe, ring, ulysses, vocab
 from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
+from ..schema import OFFLOADED
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
 from ..units import gb
@@ -27,10 +28,15 @@ from .quirks import applies
 RECOMPUTE = {"none": 0, "save_dots": 0, "full": 1, "stage": 2}
 
 
+def recomputes_as(policy: str) -> str:
+    """The policy whose forwards `policy` redoes: an offloading one's device twin."""
+    return OFFLOADED.get(policy, policy)
+
+
 def redone(plan) -> int:
     """Forwards of the layers the backward redoes: the remat policy's, and a circular GPipe's
     stage checkpoint (`Schedule.recomputes_stage`) one more, unless stage remat counts it."""
-    s, remat = plan.schedule, plan.cfg.parallel.remat
+    s, remat = plan.schedule, recomputes_as(plan.cfg.parallel.remat)
     return RECOMPUTE[remat] + (s is not None and s.recomputes_stage and remat != "stage")
 
 
@@ -42,7 +48,7 @@ def flops(plan) -> dict:
     from ..metrics import flops_per_token, matmul_params
 
     cfg, s, n = plan.cfg, plan.schedule, plan.num_devices
-    m, t, remat = cfg.model, cfg.train.seq_len, cfg.parallel.remat
+    m, t, remat = cfg.model, cfg.train.seq_len, recomputes_as(cfg.parallel.remat)
     tokens = cfg.train.global_batch * t / n
     keys = (0.5 * t if plan.attention_local in ("cudnn", "pallas", "ring", "gather")
             else _keys_per_query(plan))
@@ -95,7 +101,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     batch = (DATA, EXPERT)  # the batch's axes (`expert`: under expert parallelism)
     c, w, n = itemsize(m.dtype), Widths.of(plan), plan.tokens_per_microbatch
     pb, sp = itemsize(m.param_dtype), par.sequence_parallel and t > 1
-    remat = "full" if par.remat == "stage" else par.remat  # the per-layer policy
+    remat = "full" if par.remat == "stage" else recomputes_as(par.remat)  # per layer
     micro = plan.microbatches
     chunk = plan.layers_per_chunk
     rows_split = batch + ((STAGE,) if s else ())  # what splits the embedding's rows
@@ -270,10 +276,31 @@ def step_time(plan, flop: dict | None = None, comm: dict | None = None) -> dict:
     times = {a: comm["sent"][a] / links[a] for a in comm["sent"]}
     exposed = sum(t for a, t in times.items() if a not in topo.overlapped)
     hidden = sum(t for a, t in times.items() if a in topo.overlapped)
-    total = compute + exposed + max(0.0, hidden - compute)
+    host = offload_time(plan, compute)
+    total = compute + exposed + max(0.0, hidden - compute) + host["exposed_s"]
     return {"compute_s": compute, "bubble_s": bubble, "recompute_s": seconds("recompute_"),
-            "comm_s": times, "exposed_comm_s": total - compute, "step_s": total,
-            "mfu": flop["model"] / (total * peak)}
+            "comm_s": times, "exposed_comm_s": total - compute - host["exposed_s"],
+            "host": host, "step_s": total, "mfu": flop["model"] / (total * peak)}
+
+
+def offload_time(plan, compute_s: float) -> dict:
+    """An offloading remat policy's copies over the device's host link, each way per step:
+    every microbatch's layers' host residuals out during the forward, back in during the
+    backward (`copy_s`, each way), against the forward's and the backward's share of the
+    compute (`forward_s`, a pass in 3 + the redone forwards). A copy hides behind the half it
+    overlaps; what it does not is `exposed_s` (the seeds' rule: offload when the link's time is
+    under the compute's)."""
+    from . import residuals
+    par = plan.cfg.parallel
+    inner = "full" if par.remat == "stage" else par.remat
+    split = plan.degrees.tensor if par.sequence_parallel else 1
+    per_token = residuals.of(plan).on_host(inner, split) if inner.startswith("offload") else 0.0
+    tokens = plan.cfg.train.global_batch * plan.cfg.train.seq_len / plan.degrees.batch / plan.degrees.seq
+    nbytes = per_token * plan.layers_per_stage * tokens
+    copy = nbytes / (plan.topology.host_gbps * 1e9 * plan.topology.link_efficiency)
+    forward = compute_s / (3 + redone(plan))
+    exposed = max(0.0, copy - forward) + max(0.0, copy - (compute_s - forward))
+    return {"bytes": nbytes, "copy_s": copy, "forward_s": forward, "exposed_s": exposed}
 
 
 def estimate(plan) -> dict:
@@ -291,6 +318,25 @@ def _versus_compiled(e: dict, compiled: dict, axis: str) -> str:
     if not got or (axis == DATA and compiled.get("data_cut", 1) > 1):
         return ""
     return f" [compiled {got / 1e9:.2f} GB, {e['collectives']['result'][axis] / got:.3f}]"
+
+
+def _host_lines(mem: dict, host: dict, topo, compiled: dict | None) -> list[str]:
+    """An offloading policy's host memory and its copies against the compute; beside a
+    compiled step from XLA:CPU, where host and device are one memory and the copies are
+    compiled away, the device bytes and the host's together against its needed bytes."""
+    if not mem["host_bytes"]:
+        return []
+    hides = host["exposed_s"] == 0
+    line = (f"  host        {gb(mem['host_bytes']):>8}   offloaded residuals; copies "
+            f"{host['copy_s']:.3f} s each way a step over {topo.host_gbps:g} GB/s against "
+            f"{host['forward_s']:.3f} s of forward: "
+            + ("hidden behind compute" if hides else f"{host['exposed_s']:.3f} s exposed"))
+    if compiled is None or compiled.get("platform", "cpu") != "cpu":
+        return [line]
+    both = mem["needed_bytes"] + mem["host_bytes"]
+    return [line, f"  device+host {gb(both):>8}   compiled {gb(compiled['needed_bytes'])} "
+                  f"(analytic/compiled {both / compiled['needed_bytes']:.3f}; XLA:CPU keeps "
+                  "offloaded values in its one memory)"]
 
 
 def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
@@ -320,6 +366,7 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"{topo.name}" + ("" if compiled is None else
                           f"   compiled {gb(compiled['needed_bytes'])} (analytic/compiled "
                           f"{mem['needed_bytes'] / compiled['needed_bytes']:.3f})"),
+        *_host_lines(mem, t["host"], topo, compiled),
         *(["  (layers unrolled: XLA's schedule of unrolled layers keeps more than remat's "
            "arithmetic: docs/choices.md)"]
           if not plan.cfg.parallel.scan_layers and plan.cfg.parallel.remat != "none" else []),

@@ -215,6 +215,8 @@ def activation_bytes(plan) -> dict:
         passes = s.saved_passes
         stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)
         per_pass = kept("full") if whole else chunk * stash(inner)
+    # an offloading policy's residuals, in host memory: as many passes as the device's would be
+    host = passes * (layers if s is None else chunk) * layer.on_host(inner, split) * n
     # one layer's backward: what it recomputes (all it would keep under `none`, less what the
     # policy kept), what its attention kernel holds on top (`_kernel_working`), and the
     # projections' output cotangents
@@ -234,7 +236,7 @@ def activation_bytes(plan) -> dict:
     # ZB-H1's W waits for its projections' inputs and output gradients
     w_stash = chunk * (layer.projection_inputs + layer.projection_outputs) * n
     return {"saved_activations": int(passes * per_pass * n), "layer_working": int(working * n),
-            "w_stash_per_pass": int(w_stash)}
+            "w_stash_per_pass": int(w_stash), "host_activations": int(host)}
 
 
 def _kernel_working(plan, mlp_recomputed: float) -> float:
@@ -292,4 +294,4 @@ def memory(plan) -> dict:
             + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
     return {"by_kind": kinds, "argument_bytes": args, "temp_bytes": temp,
-            "needed_bytes": args + temp}
+            "needed_bytes": args + temp, "host_bytes": kinds.pop("host_activations")}

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-REMATS = ("none", "save_dots", "full")
+REMATS = ("none", "save_dots", "full", "offload", "offload_dots")
 
 
 def _as_the_step(ep: int = 1):
@@ -62,6 +62,7 @@ class Residual:
     stream: bool  # from the residual stream or a norm: split over tensor under SP
     select: bool  # the output of a select (`jnp.where`): a mask, or values masked by one
     mlp: bool = False  # made in the MLP (its `named_scope`): gone before attention's backward
+    host: bool = False  # kept in host memory (an offloading policy's): no device bytes
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,24 @@ class LayerBytes:
     projection_outputs: float
 
     def handed_over(self, policy: str, tensor_split: int = 1) -> float:
-        """What `jax.vjp` hands over under `policy`: what 1F1B and ZB-H1 stash."""
-        return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy])
+        """What `jax.vjp` hands over under `policy` in device memory: what 1F1B and ZB-H1
+        stash."""
+        return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
+                   if not r.host)
+
+    def on_host(self, policy: str, tensor_split: int = 1) -> float:
+        """What an offloading `policy` keeps in host memory instead (0 for the others)."""
+        return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
+                   if r.host)
 
     def kept(self, policy: str, tensor_split: int = 1, xla_drops: bool = True,
              mlp_only: bool = False) -> float:
-        """What autodiff's backward keeps under `policy` once XLA schedules it itself: with
-        quirk `vjp_hands_over_more` (`xla_drops`), it recomputes selects (the blocked kernel's
-        masks and masked scores) rather than keep them; `mlp_only`: of that, the MLP's."""
+        """What autodiff's backward keeps in device memory under `policy` once XLA schedules
+        it itself: with quirk `vjp_hands_over_more` (`xla_drops`), it recomputes selects (the
+        blocked kernel's masks and masked scores) rather than keep them; `mlp_only`: of that,
+        the MLP's."""
         return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
-                   if not (xla_drops and r.select) and (r.mlp or not mlp_only))
+                   if not (xla_drops and r.select) and (r.mlp or not mlp_only) and not r.host)
 
 
 def of(plan) -> LayerBytes:
@@ -142,7 +151,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
     def per_token(policy):
         one, two = residuals(policy, 1), residuals(policy, 2)
-        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select, a.mlp)
+        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select, a.mlp, a.host)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
 
     def taps(rows):
@@ -180,10 +189,13 @@ def _describe(jaxpr) -> list[Residual]:
     out = []
     for v in jaxpr.outvars:
         aval, eqn = v.aval, made.get(v)
+        while eqn is not None and eqn.primitive.name in ("device_put", "name"):  # offloaded, named
+            eqn = made.get(eqn.invars[0])  # its value: where it was made
         scopes = set(str(eqn.source_info.name_stack).split("/")) if eqn is not None else set()
         select = eqn is not None and (eqn.primitive.name == "select_n" or str(
             eqn.params.get("name", "")) == "_where")
         out.append(Residual(float(aval.size * aval.dtype.itemsize),
                             stream=eqn is None or bool(scopes & stream_scopes), select=select,
-                            mlp=any(c.endswith(("mlp", "(mlp)")) for c in scopes)))
+                            mlp=any(c.endswith(("mlp", "(mlp)")) for c in scopes),
+                            host=str(getattr(aval, "memory_space", "")).endswith("Host")))
     return out

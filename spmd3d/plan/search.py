@@ -23,7 +23,7 @@ from . import Plan, estimate
 ACROSS_MIN_TOKENS = 8192  # a device's tokens of a sequence below which seq stays in a node
 FIT = 0.9  # of a device's memory a layout may plan for: the rest is the runtime's (CUDA
 # context, NCCL buffers, the allocator's fragmentation)
-REMATS = ("none", "save_dots", "full", "stage")  # least recompute first
+REMATS = ("none", "save_dots", "full", "offload", "stage")  # least recompute first
 SCHEDULES = (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4), ("zb_h1", 1),
              ("zb_h1", 2))
 
