@@ -241,6 +241,10 @@ def validate(cfg: Config) -> None:
     _validate_moe(m, mesh)
 
     _need(mesh.data == -1 or mesh.data > 0, "mesh.data", "must be positive or -1")
+    _need(mesh.replicate >= 1, "mesh.replicate", "must be >= 1")
+    if mesh.data > 0:
+        _divides("mesh.data", mesh.data, mesh.replicate * mesh.expert,
+                 "mesh.replicate x mesh.expert (both carved out of mesh.data)")
     for name in ("stage", "tensor", "seq"):
         _need(getattr(mesh, name) > 0, f"mesh.{name}", "must be positive")
     _need(mesh.simulated_devices >= -1, "mesh.simulated_devices", "must be >= -1")
@@ -287,7 +291,8 @@ def validate(cfg: Config) -> None:
         _divides("train.global_batch", tr.global_batch // tr.microbatches, mesh.data,
                  "mesh.data (per microbatch)")
         if par.zero_stage > 0:
-            _divides("model.d_model", m.d_model, mesh.data, "mesh.data (ZeRO shards d_model)")
+            _divides("model.d_model", m.d_model, mesh.data // mesh.replicate,
+                     "mesh.data / mesh.replicate (ZeRO shards d_model over a group)")
     if mesh.seq > 1:  # the zig-zag layout cuts the sequence into 2 chunks per ring device
         _divides("train.seq_len", tr.seq_len, 2 * mesh.seq, "2 * mesh.seq (zig-zag chunks)")
     if par.sequence_parallel:

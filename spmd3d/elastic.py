@@ -56,16 +56,23 @@ def resize(cfg: Config, processes: int, local_devices: int, full_processes: int 
         if t.global_batch % data:
             why.append(f"{p}: train.global_batch {t.global_batch} does not split over data {data}")
             continue
+        # HSDP: a ZeRO group's devices stay together; whole groups are dropped
+        group = full // m.replicate if m.replicate > 1 else 1
+        if data % group:
+            why.append(f"{p}: data {data} is not whole ZeRO groups of {group} (mesh.replicate)")
+            continue
         micro = math.ceil(t.global_batch / (data * rows))
         while t.global_batch % (data * micro):
             micro += 1
         try:
-            new = override(cfg, mesh=dict(data=data), train=dict(microbatches=micro))
+            new = override(cfg, mesh=dict(data=data, replicate=data // group),
+                           train=dict(microbatches=micro))
             split_over_hosts(new.mesh.sizes(), local_devices, p, m.allow_cross_host, m.inside)
         except ConfigError as e:
             why.append(f"{p}: {e}")
             continue
-        return p, {"mesh.data": data, "train.microbatches": micro}
+        return p, {"mesh.data": data, "train.microbatches": micro,
+                   **({"mesh.replicate": data // group} if m.replicate > 1 else {})}
     raise ConfigError("dist.min_processes", f"{processes} processes of {local_devices} devices "
                       f"left, and no layout of at least {max(d.min_processes, 1)} keeps "
                       f"stage {m.stage} x tensor {m.tensor} x seq {m.seq} and the global batch "

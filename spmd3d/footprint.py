@@ -43,14 +43,18 @@ def compiled_layout(cfg: Config, devices: int) -> tuple[Config, int]:
     model = replace(m, dtype="float16" if m.dtype == "bfloat16" else m.dtype,
                     param_dtype="float16" if m.param_dtype == "bfloat16" else m.param_dtype,
                     attention="blocked", fp8_emulate=True)
-    fixed = cfg.mesh.non_data
+    fixed, rep = cfg.mesh.non_data, cfg.mesh.replicate
     data = devices // fixed
-    cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED),
-               None)
+
+    def fewer(c):  # HSDP's copies go first: a device's shards stay what they are
+        return rep // c if rep % c == 0 else rep
+
+    cut = next((c for c in range(1, data + 1) if data % c == 0 and devices // c <= MAX_SIMULATED
+                and (data // c) % (fewer(c) * cfg.mesh.expert) == 0), None)
     if cut is None:
         raise ConfigError("mesh", f"stage*tensor*seq = {fixed} devices alone exceed the "
                                   f"{MAX_SIMULATED} that XLA:CPU can simulate for --compile")
-    mesh = replace(cfg.mesh, data=data // cut, simulated_devices=0)
+    mesh = replace(cfg.mesh, data=data // cut, replicate=fewer(cut), simulated_devices=0)
     train = replace(cfg.train, global_batch=cfg.train.global_batch // cut)
     parallel = replace(cfg.parallel, scan_layers=True)
     return replace(cfg, model=model, mesh=mesh, train=train, parallel=parallel), cut

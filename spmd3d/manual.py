@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .mesh import DATA, EXPERT, SEQ
+from .mesh import DATA, EXPERT, REPLICATE, SEQ
 
-TOKEN_AXES = (DATA, EXPERT, SEQ)  # the mesh axes that split tokens
+TOKEN_AXES = (REPLICATE, DATA, EXPERT, SEQ)  # the mesh axes that split tokens
 
 _UNROLL = contextvars.ContextVar("spmd3d_unroll", default=False)
 

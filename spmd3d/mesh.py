@@ -7,6 +7,11 @@ nodes; `tensor` and `seq` vary fastest, so neighbouring devices, the ones on NVL
 Expert parallelism (an MoE model with `mesh.expert` > 1) builds the data-parallel devices as
 two axes, `data` x `expert`: the batch is split over both (dense layers see one data-parallel
 group, as before), the experts over `expert` alone. A dense mesh has no `expert` axis.
+
+HSDP (`mesh.replicate` > 1) carves one more axis out of the data-parallel devices, outermost:
+`replicate` x `data` (x `expert`). The batch is split over all of them, ZeRO shards over
+`data` (and `expert`) alone, so each group of `data` devices (a node's) holds one whole copy
+of the sharded state and the copies are reduced across nodes as plain data parallelism.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ import yaml
 
 DATA, STAGE, TENSOR, SEQ = AXES = ("data", "stage", "tensor", "seq")
 EXPERT = "expert"
+REPLICATE = "replicate"
 
 
 def axis_names(sizes: dict) -> tuple:
     """The mesh's axes for `sizes` (MeshConfig.sizes()): AXES, with EXPERT after `stage` (nearer
-    the fast links than `stage`: its collectives run every MoE layer) when it is there."""
-    return AXES[:2] + (EXPERT,) + AXES[2:] if EXPERT in sizes else AXES
+    the fast links than `stage`: its collectives run every MoE layer) and REPLICATE first (the
+    slowest: across nodes) when they are there."""
+    names = AXES[:2] + (EXPERT,) + AXES[2:] if EXPERT in sizes else AXES
+    return (REPLICATE,) + names if REPLICATE in sizes else names
 
 
 @dataclass(frozen=True)
@@ -36,24 +44,32 @@ class Degrees:
     and the counts that follow from them. Modules read these, not axis sizes by name.
 
     `replicas` is the mesh's `data` axis: under expert parallelism the copies of each expert
-    shard, else every data-parallel device. The batch is split over `batch` = replicas x
-    expert devices: the config's `mesh.data`."""
+    shard, else the data-parallel devices of a ZeRO group. `replicate` is HSDP's copies of the
+    whole ZeRO group (1 without HSDP). The batch is split over `batch` = replicate x replicas
+    x expert devices: the config's `mesh.data`. ZeRO shards over `zero` = replicas x expert."""
 
     replicas: int = 1
     expert: int = 1
     stage: int = 1
     tensor: int = 1
     seq: int = 1
+    replicate: int = 1
 
     @classmethod
     def of(cls, shape) -> "Degrees":
         """The degrees of a mesh's axis sizes (`mesh.shape`, `MeshConfig.sizes()`, a report's
         mesh)."""
-        return cls(shape[DATA], shape.get(EXPERT, 1), shape[STAGE], shape[TENSOR], shape[SEQ])
+        return cls(shape[DATA], shape.get(EXPERT, 1), shape[STAGE], shape[TENSOR], shape[SEQ],
+                   shape.get(REPLICATE, 1))
 
     @property
     def batch(self) -> int:
-        """Devices that split the batch: replicas x expert."""
+        """Devices that split the batch: replicate x replicas x expert."""
+        return self.replicate * self.replicas * self.expert
+
+    @property
+    def zero(self) -> int:
+        """Devices ZeRO shards the state over: a group's, replicas x expert."""
         return self.replicas * self.expert
 
     @property
@@ -61,10 +77,13 @@ class Degrees:
         return self.batch * self.stage * self.tensor * self.seq
 
     def sizes(self) -> dict[str, int]:
-        """Mesh axis sizes in the mesh's order (`axis_names`); `expert` only when it splits."""
+        """Mesh axis sizes in the mesh's order (`axis_names`); `expert` and `replicate` only
+        when they split."""
         sizes = {DATA: self.replicas, STAGE: self.stage, TENSOR: self.tensor, SEQ: self.seq}
         if self.expert > 1:
             sizes[EXPERT] = self.expert
+        if self.replicate > 1:
+            sizes[REPLICATE] = self.replicate
         return {a: sizes[a] for a in axis_names(sizes)}
 
 
@@ -113,7 +132,9 @@ class Topology:
     matmul_efficiency: float = 0.7  # achieved share of peak FLOP/s in the layers' matmuls
     attention_efficiency: float = 0.5  # ... in attention's score and value products
     link_efficiency: float = 0.8  # achieved share of a link's bandwidth by a collective
-    overlapped: tuple = ("data",)  # mesh axes whose collectives hide behind compute
+    # mesh axes whose collectives hide behind compute: the gradients' reductions and ZeRO's
+    # gathers, inside a ZeRO group and (HSDP) across them
+    overlapped: tuple = ("data", "replicate")
     host_gbps: float = 50.0  # a device's link to its host's memory (PCIe 5 x16), each way
 
     @property
@@ -159,7 +180,7 @@ def load_topology(name: str, platform: str = "cpu") -> Topology:
                                            "TFLOP/s, float32 among them")
     try:
         return Topology(**{**data, "peak_tflops": tuple(sorted(peaks.items())),
-                           "overlapped": tuple(data.get("overlapped", ("data",)))})
+                           "overlapped": tuple(data.get("overlapped", Topology.overlapped))})
     except (TypeError, AttributeError) as e:
         raise ConfigError("mesh.topology", f"{path.name}: {e}") from None
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import fp8, moe
 from .attention import causal_attention
+from . import offload
 from .config import DTYPES, ModelConfig
 from .manual import per_device, psum, unroll, vary
 from .rope import Positions, apply_rope, rope_frequencies, rope_tables
@@ -37,21 +38,12 @@ from .sharding import (Param, activation_rules, constrain, current_layout, is_pa
 _POLICIES = {
     "none": jax.checkpoint_policies.everything_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
-    # keep matmul outputs (no batch dims: the projections, not the attention scores)
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # the same two, kept in the host's pinned memory instead of the device's: copied out as the
-    # forward makes them, back in as the backward needs them (`offload` keeps the layer's
-    # input, which it names "layer_input"; docs/context.md says when the copies hide)
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
-        offload_src="device", offload_dst="pinned_host"),
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
-        "device", "pinned_host"),
-}
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the projections'
+}  # outputs; and two that keep in the host's memory what full and save_dots keep (`offload`)
 
 
 def remat_policy(name: str):
-    base = _POLICIES[name]
+    base = _POLICIES[name] if name in _POLICIES else offload.policy(name)
 
     def policy(prim, *args, **params):
         return not is_param_relayout(prim, params) and base(prim, *args, **params)
@@ -281,7 +273,7 @@ class Transformer(nnx.Module):
         ops = ops or Ops(causal_attention)
 
         def apply(params, x, rope, on=None, zeros=None):
-            x = checkpoint_name(x, "layer_input")  # what `offload` keeps, on the host
+            x = checkpoint_name(x, offload.NAME)  # what `offload` keeps, on the host
             used = ops if zeros is None else ops.tap(zeros)
             y = nnx.merge(graphdef, params)(x, rope, used)
             y = y if on is None else jnp.where(on, y, x)

@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage", "offload", "offload_dots")
-# an offloading policy -> the policy that recomputes what it does (it keeps the same values,
-# in host memory instead of the device's)
-OFFLOADED = {"offload": "full", "offload_dots": "save_dots"}
 ROPE_SCALINGS = ("none", "llama3")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
@@ -207,6 +204,10 @@ class MeshConfig:
     # MoE: the experts are split `expert` ways over the data-parallel devices, each expert
     # shard replicated over the other data / expert (sharding.py, docs/moe.md)
     expert: int = doc(1, "expert-parallel degree, carved out of mesh.data (divides it)")
+    # HSDP: ZeRO over a group of the data-parallel devices (a node's), whole copies across them
+    replicate: int = doc(1, "HSDP: copies of the ZeRO-sharded state, carved out of mesh.data "
+                            "(divides it): ZeRO shards over mesh.data / replicate devices "
+                            "and plain data parallelism runs across the copies")
     simulated_devices: int = doc(-1, "N > 0: N simulated CPUs; -1: 8 if no accelerator; "
                                      "0: the real devices")
     topology: str = doc("auto", "a topology in meshes/ (its name) or a path to a .yaml; "
@@ -220,11 +221,16 @@ class MeshConfig:
 
     def sizes(self) -> dict[str, int]:
         """Mesh axis sizes; with expert parallelism, `data` is built as two axes, `data`
-        (the expert replicas) x `expert` (mesh.EXPERT)."""
-        if self.expert == 1:
-            return {"data": self.data, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
-        return {"data": self.data // self.expert if self.data > 0 else self.data,
-                "expert": self.expert, "stage": self.stage, "tensor": self.tensor, "seq": self.seq}
+        (the expert replicas) x `expert` (mesh.EXPERT), and with HSDP `replicate` comes out
+        of it too."""
+        group = self.expert * self.replicate
+        sizes = {"data": self.data // group if self.data > 0 else self.data, "stage": self.stage,
+                 "tensor": self.tensor, "seq": self.seq}
+        if self.expert > 1:
+            sizes["expert"] = self.expert
+        if self.replicate > 1:
+            sizes["replicate"] = self.replicate
+        return sizes
 
     @property
     def non_data(self) -> int:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
+from .mesh import DATA, EXPERT, REPLICATE, SEQ, STAGE, TENSOR
 from .store import flat
 from .units import columns
 
@@ -102,15 +102,17 @@ class Rules:
         return Rules(tuple((k, changes.get(k, v)) for k, v in self.table))
 
 
-def compute_rules(sequence_parallel: bool = False, expert: bool = False) -> Rules:
+def compute_rules(sequence_parallel: bool = False, expert: bool = False,
+                  replicate: bool = False) -> Rules:
     """How activations and (ZeRO-0) parameters are laid out while the model runs.
 
     `res_length` is the sequence dim of the residual stream, where the norms run: with
     Megatron sequence parallelism it is also split over `tensor`, so XLA turns each
     row-parallel all-reduce into a reduce-scatter and gathers again before the next matmul.
-    """
+    The batch is split over every data-parallel axis: `replicate` (HSDP), `data`, `expert`."""
+    batch = (REPLICATE,) * replicate + (DATA,) + (EXPERT,) * expert
     return Rules((
-        ("batch", (DATA, EXPERT) if expert else DATA),
+        ("batch", batch if len(batch) > 1 else DATA),
         ("length", SEQ),
         ("res_length", (SEQ, TENSOR) if sequence_parallel else SEQ),
         ("embed", None),
@@ -153,27 +155,26 @@ class ZeroRules:
         return ZeroRules(self.compute, add_stage(self.params), add_stage(self.grads),
                          add_stage(self.opt))
 
-    def _over_batch(self, rules: Rules) -> bool:
-        batch = self.compute["batch"]
-        return batch is not None and any(
-            v == batch or (isinstance(v, tuple) and batch in v)
-            for k, v in rules.table if k not in ACTIVATION_NAMES)
+    @staticmethod
+    def _over_batch(rules: Rules) -> bool:  # a parameter's name split over `data` (ZeRO's axis)
+        return any(DATA in mesh_axes(v) for k, v in rules.table if k not in ACTIVATION_NAMES)
 
     @property
     def params_over_batch(self) -> bool:
-        """Whether stored weights are split over the batch's mesh axis (ZeRO-3)."""
+        """Whether stored weights are split over the ZeRO group's axis (ZeRO-3)."""
         return self._over_batch(self.params)
 
     @property
     def grads_over_batch(self) -> bool:
-        """Whether gradients are split over the batch's mesh axis (ZeRO-2/3, and ZeRO-1
-        accumulating microbatches: `Plan.of`)."""
+        """Whether gradients are split over it (ZeRO-2/3; ZeRO-1 accumulating: `Plan.of`)."""
         return self._over_batch(self.grads)
 
 
 def zero_rules(zero_stage: int, sequence_parallel: bool = False,
-               expert: bool = False) -> ZeroRules:
-    base = compute_rules(sequence_parallel, expert)
+               expert: bool = False, replicate: bool = False) -> ZeroRules:
+    """The tables for `zero_stage`: it shards over a group, `data` (and `expert`), never over
+    HSDP's `replicate`: each group holds a whole copy."""
+    base = compute_rules(sequence_parallel, expert, replicate)
     sharded = base.with_(embed=(DATA, EXPERT) if expert else DATA, expert_embed=DATA)
     return ZeroRules(
         compute=base,

@@ -7,12 +7,15 @@ batch's (a plain gather on a vocab-sharded table would make XLA replicate the ta
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .mesh import REPLICATE
 from .manual import per_device, psum, vary
-from .sharding import current_layout
+from .sharding import current_layout, mesh_axes
 
 
 @jax.custom_vjp
@@ -97,14 +100,28 @@ def embed_lookup(table_vd, ids_bt):
     the vocab axis combines them. Manual over the batch and length axes as well: the
     gradient is then a scatter-add of each device's own rows and one sum of the table's
     gradient over them (left to XLA, it gathers every device's [B, T, D] cotangent first).
+
+    Under HSDP without a vocab split, XLA has no efficient path from cotangents split over
+    `replicate` x `data` to a gradient sharded over a ZeRO group's `data` (it replicated them
+    whole), so the lookup is manual: where ZeRO shards the gradient's `embed`, each device
+    looks up its group's ids in its slice of D and an all-to-all hands every device its own
+    rows whole (`_lookup_slices`): the backward's scatter-add makes [V, D/group], not a whole
+    fp32 [V, D] per device.
     """
-    shards = per_device(current_layout(), extra="vocab")
-    if shards.extra is None:
+    layout = current_layout()
+    shards = per_device(layout, extra="vocab")
+    if shards.extra is None and REPLICATE not in shards.tokens:
         return jnp.take(table_vd, ids_bt, axis=0)
-    (axis,) = shards.extra
+    axis = shards.extra[0] if shards.extra else None
+    split = tuple(a for a in mesh_axes(layout.grads["embed"]) if a in shards.tokens)
+    if axis is None and split:
+        return shards(functools.partial(_lookup_slices, split=split, tokens=shards.tokens),
+                      (P(None, split), shards.spec()), shards.spec(None))(table_vd, ids_bt)
 
     def lookup(table, ids):
         table = vary(table, shards.tokens)  # its gradient summed over the token shards (fp32)
+        if axis is None:
+            return jnp.take(table, ids, axis=0)
         v = table.shape[0]
         local = ids - jax.lax.axis_index(axis) * v
         mine = ((local >= 0) & (local < v)).astype(table.dtype)[..., None]
@@ -113,3 +130,13 @@ def embed_lookup(table_vd, ids_bt):
         return psum(rows, axis)
 
     return shards(lookup, (P(axis, None), shards.spec()), shards.spec(None))(table_vd, ids_bt)
+
+
+def _lookup_slices(table, ids, split: tuple, tokens: tuple):
+    """Per device: table[V, D/z] (the slice of D that `split`, z devices, gives it), ids[b, t]
+    -> its rows [b, t, D]: the z devices' ids gathered, each looks all of them up in its slice,
+    and an all-to-all returns each device's rows with their D whole."""
+    table = vary(table, tuple(a for a in tokens if a not in split))  # summed over the rest
+    every = jax.lax.all_gather(ids, split, axis=0, tiled=True)  # [b z, t]
+    rows = jnp.take(table, every, axis=0)  # [b z, t, D/z]
+    return jax.lax.all_to_all(rows, split, 0, 2, tiled=True)  # [b, t, D]

@@ -66,6 +66,7 @@ FAST = (
     "test_loss.py::test_loss_chunks",
     "test_offload.py::test_offloading_matches_one_device[offload_dp2_tp4_sp_zero3]",
     "test_offload.py::test_a_gpu_program_copies_to_the_host_and_back",
+    "test_hsdp.py::test_collectives_run_per_group",
     # the planner against the compiled step
     "test_estimate.py::test_analytic_memory_is_the_compiled_within_5_percent[tensor 2 SP, seq 2, zero3, save_dots]",
     "test_planner_property.py",

@@ -60,7 +60,8 @@ def start_state(cfg):
     job = job_for(cfg)
     key = (cfg.model, cfg.optim, cfg.train.seed)
     if key not in _INITIAL:
-        one = config.override(cfg, mesh=dict(data=1, stage=1, tensor=1, seq=1, expert=1),
+        one = config.override(cfg, mesh=dict(data=1, stage=1, tensor=1, seq=1, expert=1,
+                                             replicate=1),
                               parallel=dict(pipeline_repeats=1, zero_stage=0,
                                             sequence_parallel=False),
                               train=dict(microbatches=1))

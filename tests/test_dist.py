@@ -279,6 +279,18 @@ def test_tensor_inside_lets_seq_span_hosts():
     assert e.value.field == "mesh.tensor"
 
 
+def test_hsdp_keeps_a_zero_group_inside_a_host():
+    """mesh.replicate: a ZeRO group (the `data` axis) fills a host after tensor and seq, and
+    the copies (`replicate`, outermost) go across hosts: data 16 as 4 copies of 4 on hosts of
+    8 with tensor 2."""
+    from spmd3d import config
+    cfg = config.load(None, ["mesh.data=16", "mesh.replicate=4", "mesh.tensor=2",
+                             "mesh.simulated_devices=0", "train.global_batch=16"])
+    sizes = cfg.mesh.sizes()
+    assert sizes == {"data": 4, "stage": 1, "tensor": 2, "seq": 1, "replicate": 4}
+    assert split_over_hosts(sizes, 8, 4) == ([1, 4, 1, 2, 1], [4, 1, 1, 1, 1])
+
+
 def test_allow_cross_host_forces_the_layout():
     inner, outer = split_over_hosts(_sizes(2, 1, 2, 2), 2, 4, allow_cross_host=True)
     assert (inner, outer) == ([1, 1, 1, 2], [2, 1, 2, 1])

@@ -45,6 +45,9 @@ def _cfg(*overrides):
     (DP4_TP2, 3, (3, {"mesh.data": 3, "train.microbatches": 2})),  # 4 rows at a time, not 6
     (DP4_TP2 + ["train.global_batch=16"], 3, (2, {"mesh.data": 2, "train.microbatches": 2})),
     (DP2_PP2_TP2, 3, (2, {"mesh.data": 1, "train.microbatches": 4})),
+    # HSDP: whole ZeRO groups of 2 are kept, so 3 live processes run 2 (one group)
+    (DP4_TP2 + ["mesh.replicate=2"], 3,
+     (2, {"mesh.data": 2, "train.microbatches": 2, "mesh.replicate": 1})),
     (["mesh.data=-1", "mesh.tensor=2", "train.global_batch=24"], 3,
      (3, {"mesh.data": 3, "train.microbatches": 2})),
 ])
@@ -53,7 +56,9 @@ def test_resize_keeps_the_global_batch_on_the_hosts_left(layout, live, want):
     assert elastic.resize(cfg, live, 2, full_processes=4) == want
     data, micro = want[1]["mesh.data"], want[1]["train.microbatches"]
     assert cfg.train.global_batch % (data * micro) == 0
-    new = config.override(cfg, mesh=dict(data=data), train=dict(microbatches=micro))
+    replicate = want[1].get("mesh.replicate", cfg.mesh.replicate)
+    new = config.override(cfg, mesh=dict(data=data, replicate=replicate),
+                          train=dict(microbatches=micro))
     assert new.mesh.num_devices == want[0] * 2
 
 

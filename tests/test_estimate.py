@@ -84,6 +84,15 @@ MEMORY_LAYOUTS = {
                       "parallel.remat=stage train.global_batch=16 train.microbatches=4",
     "4 accumulated, zero2": "mesh.data=8 mesh.tensor=1 parallel.zero_stage=2 "
                             "train.global_batch=32 train.microbatches=4",
+    # HSDP: ZeRO over groups of 4 (2 copies), of 2 with a pipeline, accumulating with the ring
+    "hsdp 2 x 4, zero3": "mesh.data=8 mesh.replicate=2 mesh.tensor=1 parallel.zero_stage=3 "
+                         "train.global_batch=16",
+    "hsdp 2 x 2, gpipe 2, zero3": "mesh.data=4 mesh.replicate=2 mesh.stage=2 mesh.tensor=1 "
+                                  "parallel.zero_stage=3 train.global_batch=16 "
+                                  "train.microbatches=4",
+    "hsdp 2 x 2, seq 2, zero2, 2 accumulated": "mesh.data=4 mesh.replicate=2 mesh.tensor=1 "
+                                               "mesh.seq=2 parallel.zero_stage=2 "
+                                               "train.global_batch=16 train.microbatches=2",
     # offloading: XLA:CPU keeps the host's values in its one memory (compared with both)
     "tensor 2 SP, offload_dots": "mesh.data=4 mesh.tensor=2 parallel.sequence_parallel=true "
                                  "parallel.remat=offload_dots train.global_batch=8",
@@ -197,6 +206,7 @@ QUIRK_LAYOUTS = {
     "lookup_moves_cotangents": dict(data=8, zero=2),
     "vjp_hands_over_more": dict(data=8),
     "fresh_stage_gradient": dict(data=2, stage=2, tensor=2, micro=2),
+    "hsdp_reduces_whole": dict(data=8, zero=2, micro=2, extra=["mesh.replicate=2"]),
     "branch_buffers": dict(data=2, stage=2, tensor=2, micro=2,
                            extra=["parallel.pipeline_schedule=zb_h1"]),
     # (a vocabulary wide enough that the loss, not a layer's backward, is the peak)

@@ -2,9 +2,9 @@
 at every step and every gradient leaf, with a shared expert, the balancing loss, the z-loss
 and the bias on, for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP, with the
 sequence over the ring, in every pipeline schedule (GPipe, circular GPipe, 1F1B, interleaved
-1F1B, ZB-H1), the capacity path split 4 ways, and ZeRO-3 over the replicas, under every remat
-policy; and a checkpoint written at one expert-parallel degree resumed at
-another. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
+1F1B, ZB-H1), the capacity path split 4 ways, and ZeRO-3 over the replicas (and over HSDP's
+groups), under every remat policy; and a checkpoint written at one expert-parallel degree
+resumed at another. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
 is a microbatch's)."""
 
 import jax
@@ -26,6 +26,8 @@ LAYOUTS = {
     "ep8": dict(data=8, extra=("mesh.expert=8",)),
     # ZeRO-3 over the replicas: each expert's weights split over the 2 devices that hold it
     "ep4_x2_zero3": dict(data=8, zero=3, remat="full", extra=("mesh.expert=4",)),
+    # HSDP: ZeRO-3 over a group of data 2 x expert 2, two copies of it
+    "ep2_hsdp2_zero3": dict(data=8, zero=3, extra=("mesh.expert=2", "mesh.replicate=2")),
     "ep2_dp4_tp2_sp": dict(data=4, tensor=2, sp=True, remat="save_dots",
                            extra=("mesh.expert=2",)),
     "ep4_ring2": dict(data=4, seq=2, remat="full", extra=("mesh.expert=4",)),

@@ -170,7 +170,8 @@ class Plan:
         zero = 2 if par.zero_stage == 1 and accum > 1 else par.zero_stage
         return cls(
             cfg=cfg, mesh=mesh, topology=topology,
-            rules=zero_rules(zero, par.sequence_parallel, expert=m.expert > 1),
+            rules=zero_rules(zero, par.sequence_parallel, expert=m.expert > 1,
+                             replicate=m.replicate > 1),
             schedule=schedule,
             accum_steps=accum,
             layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
@@ -280,7 +281,10 @@ class Plan:
         m = self.cfg.mesh
         experts = (f" (the data devices as data {self.degrees.replicas} x expert "
                    f"{m.expert}: the experts split {m.expert} ways)" if m.expert > 1 else "")
-        lines = [f"mesh {dict(self.mesh.shape)}{experts}, ZeRO-{par.zero_stage}"
+        deg = self.degrees
+        hsdp = (f" over groups of {deg.zero} ({deg.replicate} copies: HSDP)"
+                if deg.replicate > 1 and par.zero_stage else "")
+        lines = [f"mesh {dict(self.mesh.shape)}{experts}, ZeRO-{par.zero_stage}{hsdp}"
                  f"{' (gradients accumulated sharded)' if sharded else ''}, "
                  f"SP {par.sequence_parallel}, remat {par.remat}, attention {self.attention}"
                  + (f" (each device's heads over the whole sequence: {self.attention_local})"

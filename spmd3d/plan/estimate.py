@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 
-from .. import moe, ring, ulysses, vocab
-from ..mesh import DATA, EXPERT, SEQ, STAGE, TENSOR
-from ..schema import OFFLOADED
+from .. import moe, offload, ring, ulysses, vocab
+from ..mesh import DATA, EXPERT, REPLICATE, SEQ, STAGE, TENSOR
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
 from ..units import gb
@@ -30,7 +29,7 @@ RECOMPUTE = {"none": 0, "save_dots": 0, "full": 1, "stage": 2}
 
 def recomputes_as(policy: str) -> str:
     """The policy whose forwards `policy` redoes: an offloading one's device twin."""
-    return OFFLOADED.get(policy, policy)
+    return offload.RECOMPUTES_AS.get(policy, policy)
 
 
 def redone(plan) -> int:
@@ -98,7 +97,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     m, par, rules = cfg.model, cfg.parallel, plan.rules
     deg = plan.degrees
     d, p, t, q = deg.batch, deg.stage, deg.tensor, deg.seq
-    batch = (DATA, EXPERT)  # the batch's axes (`expert`: under expert parallelism)
+    # the batch's axes (`expert`: under expert parallelism; `replicate`: HSDP's copies), and
+    # the ZeRO group's, which ZeRO shards over
+    batch, group = (REPLICATE, DATA, EXPERT), (DATA, EXPERT)
     c, w, n = itemsize(m.dtype), Widths.of(plan), plan.tokens_per_microbatch
     pb, sp = itemsize(m.param_dtype), par.sequence_parallel and t > 1
     remat = "full" if par.remat == "stage" else recomputes_as(par.remat)  # per layer
@@ -177,7 +178,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # the head in fp32 (summed inside the loss's or the schedule's shard_map: `manual.vary`)
     shapes = param_shapes(m, len(plan.layer_order))
     skip = untrained(m, len(plan.layer_order))
-    sharded = rules.grads_over_batch and d > 1
+    sharded = rules.grads_over_batch and deg.zero > 1
     times = plan.accum_steps if applies("reduce_inside_accumulation") else 1
 
     def size(keys, table):
@@ -188,21 +189,32 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     fp32 = [k for k in blocks if "norm" in k or k.endswith("router") or k in skip]
     # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
     # `manual.vary`)
-    for keys, axes in (([k for k in blocks if k not in experts], batch), (experts, (DATA,))):
+    # (HSDP: sharded gradients reduce-scattered inside a ZeRO group, then their shard reduced
+    # across the groups; unsharded ones reduced over every batch axis at once)
+    for keys, axes in (([k for k in blocks if k not in experts], group),
+                       (experts, (DATA,))):
         layer_bytes = (size([k for k in keys if k not in fp32], rules.compute)
                        * (F32 if s or keys is experts else c)
                        + size([k for k in keys if k in fp32], rules.compute) * F32)
-        group = math.prod(mesh.get(a, 1) for a in axes)
-        add("layer gradients", "reduce-scatter" if sharded else "reduce", axes, layer_bytes,
-            times)
+        shard = math.prod(mesh.get(a, 1) for a in axes) if sharded else 1
+        apart = sharded and s is None  # (a pipeline's shard_map sums over every axis at once)
+        add("layer gradients", "reduce-scatter" if sharded else "reduce",
+            axes if apart else axes + (REPLICATE,), layer_bytes, times)
+        if apart:
+            add("layer gradients' shards", "reduce", (REPLICATE,), layer_bytes / shard, times)
         # over seq after data when the gradients are sharded: the data shard only (a
         # pipeline's shard_map sums the stage's whole gradient over data and seq at once)
         add("layer gradients", "reduce", (SEQ,),
-            layer_bytes / (group if sharded and s is None else 1), times)
+            layer_bytes / (shard if s is None else 1), times)
     add("head gradient", "reduce", rows_split + (SEQ,),
         size(["head"], rules.compute) * F32 + m.d_model * F32, times)
     embed = size(["embed"], rules.compute) * F32
-    if sharded and t == 1 and applies("lookup_moves_cotangents"):
+    if sharded and t == 1 and deg.replicate > 1:  # HSDP's lookup in slices of D (`vocab`)
+        add("embedding ids", "gather", group, tokens * deg.zero * 4)
+        add("embedding rows", "all-to-all", group, tokens * m.d_model * pb, 2)
+        add("embedding gradient", "reduce",
+            tuple(a for a in rows_split if a not in group) + (SEQ,), embed / deg.zero, times)
+    elif sharded and t == 1 and applies("lookup_moves_cotangents"):
         add("embedding cotangents", "all-to-all", batch, n * m.d_model * F32,
             plan.accum_steps)
         add("embedding ids", "gather", batch, n * d * 4, plan.accum_steps)
@@ -218,17 +230,17 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     state = state_bytes(plan)
     if rules.opt["embed"] is not None and rules.params["embed"] is None:
         held = size(experts, rules.params) * pb  # the experts': over their replicas only
-        add("updated parameters", "gather", batch, state["parameters"] - held)
+        add("updated parameters", "gather", group, state["parameters"] - held)
         add("updated experts", "gather", (DATA,), held)
     if rules.params["embed"] is not None:
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
         g = pb if s is not None else c
         dense = [k for k in blocks if k not in experts and k not in skip]
-        add("layers gathered (ZeRO-3)", "gather", batch, size(dense, rules.compute) * g, uses)
+        add("layers gathered (ZeRO-3)", "gather", group, size(dense, rules.compute) * g, uses)
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
             uses)
-        add("embedding and head gathered (ZeRO-3)", "gather", batch,
+        add("embedding and head gathered (ZeRO-3)", "gather", group,
             size(["embed", "final_norm/scale"], rules.compute) * pb
             + size(["head"], rules.compute) * g)
     return items
@@ -284,23 +296,17 @@ def step_time(plan, flop: dict | None = None, comm: dict | None = None) -> dict:
 
 
 def offload_time(plan, compute_s: float) -> dict:
-    """An offloading remat policy's copies over the device's host link, each way per step:
-    every microbatch's layers' host residuals out during the forward, back in during the
-    backward (`copy_s`, each way), against the forward's and the backward's share of the
-    compute (`forward_s`, a pass in 3 + the redone forwards). A copy hides behind the half it
-    overlaps; what it does not is `exposed_s` (the seeds' rule: offload when the link's time is
-    under the compute's)."""
+    """An offloading remat policy's copies a step over the device's host link
+    (`offload.copies`): every microbatch's layers' host residuals (`residuals.py`)."""
     from . import residuals
-    par = plan.cfg.parallel
-    inner = "full" if par.remat == "stage" else par.remat
-    split = plan.degrees.tensor if par.sequence_parallel else 1
-    per_token = residuals.of(plan).on_host(inner, split) if inner.startswith("offload") else 0.0
-    tokens = plan.cfg.train.global_batch * plan.cfg.train.seq_len / plan.degrees.batch / plan.degrees.seq
-    nbytes = per_token * plan.layers_per_stage * tokens
-    copy = nbytes / (plan.topology.host_gbps * 1e9 * plan.topology.link_efficiency)
-    forward = compute_s / (3 + redone(plan))
-    exposed = max(0.0, copy - forward) + max(0.0, copy - (compute_s - forward))
-    return {"bytes": nbytes, "copy_s": copy, "forward_s": forward, "exposed_s": exposed}
+    par, deg = plan.cfg.parallel, plan.degrees
+    split = deg.tensor if par.sequence_parallel else 1
+    kept = par.remat in offload.RECOMPUTES_AS
+    per_token = residuals.of(plan).on_host(par.remat, split) if kept else 0.0
+    tokens = plan.cfg.train.global_batch * plan.cfg.train.seq_len / deg.batch / deg.seq
+    return offload.copies(per_token * plan.layers_per_stage * tokens,
+                          plan.topology.host_gbps * plan.topology.link_efficiency, compute_s,
+                          redone(plan))
 
 
 def estimate(plan) -> dict:
@@ -361,7 +367,9 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"{gb(k['layer_working'] + k['layer_weights'])}, logits/loss {gb(k['logits_loss'])}, pipeline buffers "
         f"{gb(k['pipeline_buffers'])}"
         + (f", a microbatch's experts' gradients {gb(k['expert_gradients'])}"
-           if k["expert_gradients"] else "") + versus(mem["temp_bytes"], "temp_bytes"),
+           if k["expert_gradients"] else "")
+        + (f", a microbatch's gradients reduced whole {gb(k['whole_gradients'])}"
+           if k["whole_gradients"] else "") + versus(mem["temp_bytes"], "temp_bytes"),
         f"  needed      {gb(mem['needed_bytes']):>8}   of {topo.device_memory_gb:g} on "
         f"{topo.name}" + ("" if compiled is None else
                           f"   compiled {gb(compiled['needed_bytes'])} (analytic/compiled "

@@ -104,7 +104,7 @@ def gathered_layers(plan) -> int:
     data for the step (its compute shard: split over stage and tensor only) and their fp32
     gradient accumulator. Nothing when the batch is not split (data 1: the gather is the
     identity, and the compiled step holds what ZeRO-1 holds)."""
-    if not (plan.schedule and plan.rules.params_over_batch and plan.degrees.batch > 1
+    if not (plan.schedule and plan.rules.params_over_batch and plan.degrees.zero > 1
             and plan.cfg.parallel.zero3_gather == "step"):
         return 0
     return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
@@ -124,7 +124,7 @@ def layer_weights(plan) -> int:
     in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
     compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
     rules = plan.rules
-    if plan.schedule is not None or plan.degrees.batch == 1 or not rules.grads_over_batch:
+    if plan.schedule is not None or plan.degrees.zero == 1 or not rules.grads_over_batch:
         return 0
     c = itemsize(plan.cfg.model.dtype)
     layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
@@ -267,11 +267,15 @@ def memory(plan) -> dict:
                       mesh) * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
     # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
-    sharded = plan.rules.grads_over_batch and plan.degrees.batch > 1
+    sharded = plan.rules.grads_over_batch and plan.degrees.zero > 1
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
+    # HSDP accumulating: a microbatch's layer gradients reduced whole over the group
+    kinds["whole_gradients"] = stage_layers(plan) * F32 if (
+        s is None and plan.accum_steps > 1 and sharded and plan.degrees.replicate > 1
+        and applies("hsdp_reduces_whole")) else 0
     loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
     deg = plan.degrees
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and deg.tensor > 1
@@ -291,6 +295,7 @@ def memory(plan) -> dict:
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["head_gradients"] + kinds["expert_gradients"]
+            + kinds["whole_gradients"]
             + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
     return {"by_kind": kinds, "argument_bytes": args, "temp_bytes": temp,

@@ -40,6 +40,10 @@ QUIRKS = {
     "branch_buffers": Quirk(
         "any", "each branch of a per-device switch has buffers of its own: ZB-H1's F and B "
         "each hold a loss piece"),
+    "hsdp_reduces_whole": Quirk(
+        "any", "under HSDP, accumulated microbatches' gradients are all-reduced whole over a "
+        "ZeRO group and then sliced (not reduce-scattered), before their shard is reduced "
+        "across groups: a whole fp32 gradient of the layers beside the accumulator"),
     "head_gradient_fp32_copy": Quirk(
         "cpu", "the loss's shard_map sums a narrow head gradient over data in fp32 "
         "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "

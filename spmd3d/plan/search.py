@@ -1,9 +1,10 @@
 """`python -m spmd3d.plan CONFIG --search`: the layouts of a model on a cluster, ranked.
 
 The model and the batch (global batch, sequence length) are the config's; the search varies the
-layout: the mesh (data, stage, tensor, seq; for an MoE model its expert-parallel degree too),
-the ZeRO stage, the pipeline's schedule and repeats, the microbatches, remat, sequence
-parallelism and, with the sequence split, the ring or Ulysses (`parallel.context`). Every candidate the config's checks accept is
+layout: the mesh (data, stage, tensor, seq; HSDP's copies where data spans nodes; for an MoE
+model its expert-parallel degree too), the ZeRO stage, the pipeline's schedule and repeats,
+the microbatches, remat, sequence parallelism and, with the sequence split, the ring or
+Ulysses (`parallel.context`). Every candidate the config's checks accept is
 estimated by arithmetic (`estimate.py`, about a millisecond each), those that need more than
 `FIT` of a device's memory are dropped and the rest ranked by predicted step time.
 
@@ -33,9 +34,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(cfg: Config, per_node: int, devices: int):
-    """{data, stage, tensor, seq} of every mesh of `devices` with tensor x seq inside a node,
-    or tensor inside and seq across nodes (`inside`: tensor); for an MoE model each with
-    every expert-parallel degree (`expert`: dividing data and the expert count)."""
+    """{data, stage, tensor, seq, expert, replicate} of every mesh of `devices` with tensor x
+    seq inside a node, or tensor inside and seq across nodes (`inside`: tensor); for an MoE
+    model each with every expert-parallel degree (`expert`: dividing data and the expert
+    count); each also with HSDP where its data devices span nodes (`_with_hsdp`)."""
     m, t = cfg.model, cfg.train
     for tensor in _divisors(min(per_node, devices)):
         if m.num_kv_heads % tensor or m.d_ff % tensor or m.vocab_size % tensor or (
@@ -52,13 +54,27 @@ def meshes(cfg: Config, per_node: int, devices: int):
                 if stage > m.num_layers or t.global_batch % data:
                     continue
                 mesh = {"data": data, "stage": stage, "tensor": tensor, "seq": seq,
-                        **({"inside": "tensor"} if across else {})}
-                if not m.is_moe:
-                    yield mesh
-                    continue
-                for expert in _divisors(data):
-                    if m.num_experts % expert == 0:
-                        yield {**mesh, "expert": expert}
+                        "replicate": 1, **({"inside": "tensor"} if across else {})}
+                for expert in _divisors(data) if m.is_moe else (1,):
+                    if m.num_experts % expert == 0 or not m.is_moe:
+                        yield from _with_hsdp({**mesh, "expert": expert}, per_node, devices)
+
+
+def _with_hsdp(mesh: dict, per_node: int, devices: int):
+    """The mesh, and where its data devices span nodes its HSDP variant: ZeRO over the data
+    devices of a node (`mesh.replicate`: one copy of the sharded state per node's group)."""
+    from ..mesh import DATA, axis_names, split_over_hosts
+    yield mesh
+    if devices <= per_node or devices % per_node:
+        return
+    sizes = {DATA: mesh["data"] // mesh["expert"], "stage": mesh["stage"],
+             "tensor": mesh["tensor"], "seq": mesh["seq"],
+             **({"expert": mesh["expert"]} if mesh["expert"] > 1 else {})}
+    _, outer = split_over_hosts(sizes, per_node, devices // per_node, True,
+                                mesh.get("inside", "seq"))
+    copies = outer[axis_names(sizes).index(DATA)]
+    if 1 < copies < sizes[DATA]:  # (all copies, a group of one: plain data parallelism)
+        yield {**mesh, "replicate": copies}
 
 
 def pipelines(cfg: Config, mesh: dict):
@@ -96,7 +112,7 @@ class Candidate:
         c = self.plan.cfg
         s = self.plan.schedule
         deg = self.plan.degrees
-        return ((deg.batch, deg.stage, deg.tensor, deg.seq, deg.expert),
+        return ((deg.batch, deg.stage, deg.tensor, deg.seq, deg.expert, deg.replicate),
                 c.parallel.zero_stage, c.parallel.sequence_parallel, c.parallel.remat,
                 (s.kind, s.repeats) if s else None, c.train.microbatches, c.parallel.context)
 
@@ -166,7 +182,7 @@ def describe(c: Candidate) -> dict:
             "exposed_comm_s": t["exposed_comm_s"]}
 
 
-HEADER = (f"{'rank':>4}  {'data':>5} {'expert':>6} {'stage':>5} {'tensor':>6} {'seq':>3} "
+HEADER = (f"{'rank':>4}  {'data':>5} {'copies':>6} {'expert':>6} {'stage':>5} {'tensor':>6} {'seq':>3} "
           f"{'context':<7}  "
           f"{'ZeRO':>4}  "
           f"{'SP':<3}  {'schedule':<9} {'micro':>5}  {'remat':<9} {'GB':>6}  {'step s':>7}  "
@@ -175,7 +191,7 @@ HEADER = (f"{'rank':>4}  {'data':>5} {'expert':>6} {'stage':>5} {'tensor':>6} {'
 
 def row(rank, d: dict) -> str:
     m = d["mesh"]
-    return (f"{rank:>4}  {m['data']:>5} {m.get('expert', 1):>6} {m['stage']:>5} {m['tensor']:>6} "
+    return (f"{rank:>4}  {m['data']:>5} {m.get('replicate', 1):>6} {m.get('expert', 1):>6} {m['stage']:>5} {m['tensor']:>6} "
             f"{m['seq']:>3} {d.get('context', '-'):<7}  "
             f"{d['zero']:>4}  {'yes' if d['sp'] else 'no':<3}  {d['schedule']:<9} "
             f"{d['microbatches']:>5}  {d['remat']:<9} {d['needed_gb']:>6.1f}  {d['step_s']:>7.3f}  "
