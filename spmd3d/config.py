@@ -359,8 +359,21 @@ def _validate_moe(m, mesh) -> None:
           f"must be one of {', '.join(EXPERT_WEIGHT_GRADS)}")
     _divides("model.num_experts", m.num_experts, mesh.expert, "mesh.expert")
     _divides("model.d_ff_expert", m.expert_width, mesh.tensor, "mesh.tensor")
-    if mesh.data > 0:
-        _divides("mesh.data", mesh.data, mesh.expert, "mesh.expert (experts split over data)")
+    _need(m.router_score in ("softmax", "sigmoid"), "model.router_score",
+          "must be softmax or sigmoid")
+    _need(m.router_score == "softmax" or not m.router_aux_loss_coef, "model.router_aux_loss_coef",
+          "the load-balancing loss is the softmax router's; a sigmoid router balances with "
+          "model.router_bias_rate")
+    _need(m.router_groups >= 1, "model.router_groups", "must be >= 1")
+    _divides("model.num_experts", m.num_experts, m.router_groups, "model.router_groups")
+    per_group = m.num_experts // m.router_groups
+    _need(m.router_groups == 1 or per_group >= 2, "model.router_groups",
+          "a group is ranked by its two best experts: at least 2 experts a group")
+    _need(1 <= m.router_topk_groups <= m.router_groups
+          and m.router_topk_groups * per_group >= m.experts_per_token, "model.router_topk_groups",
+          f"must be in [1, model.router_groups] and hold model.experts_per_token experts "
+          f"({per_group} a group)")
+    _need(m.router_scale > 0, "model.router_scale", "must be positive")
 
 
 def resolve_mesh(cfg: Config, num_devices: int) -> Config:

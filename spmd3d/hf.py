@@ -112,7 +112,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
 
 def exportable(cfg: ModelConfig) -> None:
     """Raises HFError where no transformers family holds `cfg`'s model."""
+    deepseek = cfg.is_moe and (cfg.router_score != "softmax" or cfg.router_groups > 1
+                               or cfg.router_scale != 1.0)
     why = ("shared experts are in none of Mixtral, Qwen3-MoE" if cfg.shared_experts else
+           "DeepSeek-V3's routing (model.router_score, router_groups, router_scale) is in "
+           "none of Mixtral, Qwen3-MoE" if deepseek else
            "Mixtral renormalizes the top-k weights (model.router_renormalize=false is "
            "Qwen3-MoE's, with model.qk_norm=true)" if family(cfg) == "mixtral"
            and not cfg.router_renormalize else "")

@@ -189,7 +189,7 @@ class MoE(nnx.Module):
             y = moe.experts_layer(
                 x_btd, _use(self.router, jnp.float32), _use(self.w_gate_up, self.dtype),
                 _use(self.w_down, self.dtype), self.bias[...], self.probe[...],
-                k=c.experts_per_token, renormalize=c.router_renormalize, kernel=c.expert_kernel,
+                routing=moe.Routing.of(c), kernel=c.expert_kernel,
                 aux_weight=c.router_aux_loss_coef / L, z_weight=c.router_z_loss_coef / L,
                 capacity_factor=c.capacity_factor, weight_grad=c.expert_weight_grad)
         return y if self.shared is None else y + self.shared(x_btd)

@@ -11,8 +11,13 @@ decide discrete choices; bf16 ties and flips them):
 * `renormalize=False` (Qwen3-MoE without it): the top k of the softmax over all experts, as
   they are (they sum to less than one).
 
+DeepSeek-V3's (`Routing` with `score="sigmoid"`, `groups`, `topk_groups`, `scale`): sigmoid
+scores; the experts in `groups` groups, a token's k chosen from its `topk_groups` best groups
+(a group ranked by the sum of its two best scores); the chosen scores renormalized (its
+`norm_topk_prob`) and multiplied by `scale` (its `routed_scaling_factor`).
+
 `bias` (DeepSeek-V3's auxiliary-loss-free balancing) is added to the scores for the choice
-only; the weights stay the unbiased probabilities. The balancing terms are the Switch
+only (the groups' ranking included); the weights stay the unbiased scores. The balancing terms are the Switch
 Transformer's load-balancing loss as transformers computes it (`load_balancing_loss`: the
 experts' share of the top-k assignments times their mean probability, times the expert count;
 a model scales it by `router_aux_loss_coef`) and ST-MoE's router z-loss (`z_loss`); `imbalance`
@@ -24,6 +29,7 @@ Shapes: logits[T, E] (tokens flattened), weights and experts [T, k].
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -36,11 +42,34 @@ from .mesh import EXPERT, TENSOR
 from .sharding import Untrained, current_layout
 
 
-def route(logits_te, k: int, renormalize: bool = True, bias_e=None):
-    """(weights[T, k] fp32, experts[T, k] int32) of router logits, best first: `choose`, then
-    `weigh` (the layer runs the two apart, the balancing terms between them)."""
-    experts = choose(logits_te, k, bias_e)
-    return weigh(logits_te, experts, renormalize), experts
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits choose and weigh a token's experts (the module's docstring)."""
+
+    k: int
+    renormalize: bool = True
+    score: str = "softmax"  # or "sigmoid"
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, m) -> "Routing":
+        """A model config's routing (`model.experts_per_token`, `model.router_*`)."""
+        return cls(m.experts_per_token, m.router_renormalize, m.router_score, m.router_groups,
+                   m.router_topk_groups, m.router_scale)
+
+    def scores(self, logits_te):
+        """[T, E] fp32: the softmax or the sigmoid of the logits."""
+        logits = logits_te.astype(jnp.float32)
+        return jax.nn.sigmoid(logits) if self.score == "sigmoid" else jax.nn.softmax(logits, -1)
+
+
+def route(logits_te, routing: Routing, bias_e=None):
+    """(weights[T, k] fp32, experts[T, k] int32) of router logits: `choose`, then `weigh`
+    (the layer runs the two apart, the balancing terms between them)."""
+    experts = choose(logits_te, routing, bias_e)
+    return weigh(logits_te, experts, routing), experts
 
 
 def expert_load(experts_tk, num_experts: int):
@@ -80,19 +109,28 @@ def stats_size(num_experts: int) -> int:
     return num_experts + STATS_EXTRA
 
 
-def choose(logits_te, k: int, bias_e=None):
-    """experts[T, k] int32: the top k of the softmax (plus the selection-only bias)."""
-    scores = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+def choose(logits_te, routing: Routing, bias_e=None):
+    """experts[T, k] int32: the top k of the scores (plus the selection-only bias), best
+    first; with groups, from the token's `topk_groups` best groups alone."""
+    scores = jax.lax.stop_gradient(routing.scores(logits_te))
     if bias_e is not None:
         scores = scores + jax.lax.stop_gradient(bias_e).astype(jnp.float32)
-    return jax.lax.top_k(jax.lax.stop_gradient(scores), k)[1].astype(jnp.int32)
+    if routing.groups > 1:
+        t, e = scores.shape
+        grouped = scores.reshape(t, routing.groups, e // routing.groups)
+        rank = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, groups]
+        best = jax.lax.top_k(rank, routing.topk_groups)[1]
+        keep = jnp.zeros(rank.shape, bool).at[jnp.arange(t)[:, None], best].set(True)
+        scores = jnp.where(jnp.repeat(keep, e // routing.groups, axis=1), scores, -jnp.inf)
+    return jax.lax.top_k(scores, routing.k)[1].astype(jnp.int32)
 
 
-def weigh(logits_te, experts_tk, renormalize: bool = True):
-    """weights[T, k] fp32 of the chosen experts (`route`'s conventions)."""
-    probs = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
-    weights = jnp.take_along_axis(probs, experts_tk, axis=-1)
-    return weights / jnp.sum(weights, axis=-1, keepdims=True) if renormalize else weights
+def weigh(logits_te, experts_tk, routing: Routing):
+    """weights[T, k] fp32 of the chosen experts (the module's conventions)."""
+    weights = jnp.take_along_axis(routing.scores(logits_te), experts_tk, axis=-1)
+    if routing.renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routing.scale if routing.scale != 1.0 else weights
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -212,8 +250,8 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights_nk.astype(y.dtype))
 
 
-def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, k: int,
-                  renormalize: bool, aux_weight: float, z_weight: float,
+def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *,
+                  routing: Routing, aux_weight: float, z_weight: float,
                   capacity_factor: float = 0.0, kernel: str = "ragged",
                   weight_grad: str = "xla"):
     """The routed experts of an MoE layer: y[B, T, D] for x[B, T, D] (the weights as used:
@@ -244,7 +282,7 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         # fp32 operands, as DeepSeek-V3's gate and Megatron's `moe_router_dtype=fp32`: the
         # logits decide discrete choices, and a bf16 input or weight ties and flips them
         logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), router)
-        experts = choose(logits, k, bias)
+        experts = choose(logits, routing, bias)
         first, mine, e_local = 0, experts, gate_up.shape[0]
         if e_axis is not None:  # every assignment of the group, and which experts are ours
             mine = jax.lax.all_gather(experts, e_axis, tiled=True)
@@ -253,7 +291,7 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *, 
         if capacity_factor > 0:
             cap = capacity(capacity_factor, mine.size, bias.shape[0])
             slot, dropped = slots(mine, first, e_local, cap)
-        weights = weigh(balanced(logits, probe, experts, dropped, how), experts, renormalize)
+        weights = weigh(balanced(logits, probe, experts, dropped, how), experts, routing)
         if t_axis is not None:  # before the gather: the backward sums one token's gradient
             # (and the weights', in fp32: they meet the experts' outputs, which vary over
             # `tensor`, cast to the compute dtype)

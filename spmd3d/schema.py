@@ -137,6 +137,15 @@ class ModelConfig:
     shared_experts: int = doc(0, "MoE: experts of width d_ff_expert every token passes through")
     router_renormalize: bool = doc(True, "MoE: top-k weights divided by their sum (Mixtral; "
                                          "Qwen3-MoE's norm_topk_prob)")
+    router_score: str = doc("softmax", "MoE: the router's scores: softmax (Mixtral, Qwen3-MoE) "
+                                       "or sigmoid (DeepSeek-V3)")
+    router_groups: int = doc(1, "MoE: groups of experts (DeepSeek-V3's n_group): a token's "
+                                "experts come from its router_topk_groups best groups, each "
+                                "ranked by the sum of its two best scores")
+    router_topk_groups: int = doc(1, "MoE: groups a token's experts are chosen from "
+                                     "(DeepSeek-V3's topk_group)")
+    router_scale: float = doc(1.0, "MoE: the routed experts' weights times this "
+                                   "(DeepSeek-V3's routed_scaling_factor)")
     router_aux_loss_coef: float = doc(0.0, "MoE: weight of the load-balancing loss (mean over "
                                            "layers); 0: off")
     router_z_loss_coef: float = doc(0.0, "MoE: weight of the router z-loss; 0: off")

@@ -44,7 +44,7 @@ def test_routing_is_transformers(kind, norm):
     x = np.random.default_rng(1).normal(size=(T, D)).astype(np.float32)
     with torch.no_grad():
         logits, scores, indices = router(torch.from_numpy(x))
-    weights, experts = moe.route(jnp.asarray(logits.numpy()), K, renormalize=norm)
+    weights, experts = moe.route(jnp.asarray(logits.numpy()), moe.Routing(K, norm))
     np.testing.assert_array_equal(np.asarray(experts), indices.numpy())
     np.testing.assert_allclose(np.asarray(weights), scores.float().numpy(), rtol=1e-6)
     assert np.allclose(np.asarray(weights).sum(-1), 1.0) == norm
@@ -54,11 +54,47 @@ def test_routing_is_transformers(kind, norm):
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
 
 
+@pytest.mark.parametrize("groups,topk_groups,norm,scale", [(4, 2, True, 2.5), (8, 3, False, 1.0),
+                                                         (1, 1, True, 1.0)])
+def test_deepseek_v3_routing_is_transformers(groups, topk_groups, norm, scale):
+    """Sigmoid scores, the correction bias for the choice alone (the groups' ranking too), the
+    best `topk_group` of `n_group` groups by their two best scores, top-k inside them,
+    renormalized when `norm_topk_prob`, times `routed_scaling_factor`: transformers'
+    DeepseekV3TopkRouter on the same states, weights and bias."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    e, k = 32, 6
+    cfg = DeepseekV3Config(hidden_size=D, n_routed_experts=e, num_experts_per_tok=k,
+                           n_group=groups, topk_group=topk_groups, norm_topk_prob=norm,
+                           routed_scaling_factor=scale)
+    router = modeling_deepseek_v3.DeepseekV3TopkRouter(cfg)
+    rng = np.random.default_rng(5)
+    bias = rng.normal(scale=0.1, size=(e,)).astype(np.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(rng.normal(size=(e, D)).astype(np.float32)))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+        x = rng.normal(size=(T, D)).astype(np.float32)
+        logits, theirs, indices = router(torch.from_numpy(x))
+    routing = moe.Routing(k, norm, "sigmoid", groups, topk_groups, scale)
+    weights, experts = moe.route(jnp.asarray(logits.numpy()), routing, jnp.asarray(bias))
+    # the same experts (transformers' top-k is unsorted) with the same weights each
+    order = np.argsort(indices.numpy(), axis=-1)
+    ours = np.argsort(np.asarray(experts), axis=-1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), ours, -1),
+                                  np.take_along_axis(indices.numpy(), order, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), ours, -1),
+                               np.take_along_axis(theirs.numpy(), order, -1), rtol=1e-6)
+    if groups > 1:  # the limit bites: some token's best experts are not all chosen
+        best = np.argsort(-(1 / (1 + np.exp(-logits.numpy())) + bias), axis=-1)[:, :k]
+        assert (np.sort(best, -1) != np.sort(np.asarray(experts), -1)).any()
+
+
 def test_bias_moves_the_choice_not_the_weights():
     """DeepSeek-V3's balancing bias: added for selection only."""
     logits = jnp.asarray(np.random.default_rng(2).normal(size=(T, E)).astype(np.float32))
     bias = jnp.zeros((E,)).at[3].set(10.0)  # expert 3 chosen by every token
-    weights, experts = moe.route(logits, K, renormalize=False, bias_e=bias)
+    weights, experts = moe.route(logits, moe.Routing(K, False), bias_e=bias)
     assert (np.asarray(experts)[:, 0] == 3).all()
     probs = np.array(jnp.exp(logits - jnp.max(logits, -1, keepdims=True)))
     probs /= probs.sum(-1, keepdims=True)
@@ -74,7 +110,7 @@ def test_balancing_terms_at_their_bounds():
     assert float(moe.load_balancing_loss(even, experts)) == pytest.approx(K)
     assert float(moe.imbalance(moe.expert_load(experts, E))) == pytest.approx(1.0)
     skewed = jnp.zeros((T, E)).at[:, 0].set(1e4).at[:, 1].set(5e3)
-    _, chosen = moe.route(skewed, K)
+    _, chosen = moe.route(skewed, moe.Routing(K))
     assert float(moe.load_balancing_loss(skewed, chosen)) == pytest.approx(E, rel=1e-4)
     assert float(moe.z_loss(jnp.full((T, E), 2.0))) == pytest.approx((2.0 + np.log(E)) ** 2)
 
@@ -86,7 +122,8 @@ def _experts(seed: int, n: int = 12, d: int = 8, f: int = 6):
     x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
     gate_up = jnp.asarray(rng.normal(size=(E, d, 2, f)).astype(np.float32))
     down = jnp.asarray(rng.normal(size=(E, f, d)).astype(np.float32))
-    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)), K)
+    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)),
+                                 moe.Routing(K))
     return n, d, x, gate_up, down, weights, experts
 
 
@@ -151,7 +188,7 @@ def test_balancing_gradients_and_statistics_are_the_hand_computation():
     rng = np.random.default_rng(4)
     logits = jnp.asarray(rng.normal(size=(T, E)).astype(np.float32))
     cotangent = jnp.asarray(rng.normal(size=(T, E)).astype(np.float32))
-    experts = moe.choose(logits, K)
+    experts = moe.choose(logits, moe.Routing(K))
     how, probe = (0.01, 0.001, ()), jnp.zeros((moe.stats_size(E),))
     g_logits, g_probe = jax.grad(lambda l, p: jnp.sum(
         moe.balanced(l, p, experts, 0.0, how) * cotangent), (0, 1))(logits, probe)
@@ -293,3 +330,17 @@ def test_expert_weights_per_device_are_the_layouts_share():
     m = plan.cfg.model
     assert terms["expert_weights_total"] == 4 * m.num_layers * m.num_experts * 3 * m.d_model * \
         m.expert_width
+
+
+def test_export_refuses_routing_no_transformers_family_holds():
+    """Mixtral and Qwen3-MoE hold neither shared experts nor DeepSeek-V3's routing: the export
+    refuses them in one line instead of writing a checkpoint that routes otherwise."""
+    from dataclasses import replace
+
+    from spmd3d import hf
+    base = config.load(None, ["model.num_experts=8"]).model
+    hf.exportable(base)
+    for change in (dict(shared_experts=1), dict(router_score="sigmoid"),
+                   dict(router_groups=4, router_topk_groups=2), dict(router_scale=2.5)):
+        with pytest.raises(hf.HFError, match="cannot be exported"):
+            hf.exportable(replace(base, **change))

@@ -4,7 +4,8 @@ and the bias on, for experts split 8 ways, 4 ways x 2 replicas, with tensor + SP
 sequence over the ring, in every pipeline schedule (GPipe, circular GPipe, 1F1B, interleaved
 1F1B, ZB-H1), the capacity path split 4 ways, and ZeRO-3 over the replicas (and over HSDP's
 groups), under every remat policy; and a checkpoint written at one expert-parallel degree
-resumed at another. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
+resumed at another; DeepSeek-V3's router (sigmoid, group-limited) with experts split 4 ways
+and with tensor + SP under ZeRO-3. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
 is a microbatch's)."""
 
 import jax
@@ -60,6 +61,25 @@ def test_moe_layouts_match_one_device(reference, name):
     cfg = moe_config(**LAYOUTS[name])
     if cfg.model.num_layers != 2:
         reference = reference_run(moe_config(extra=L4))
+    assert_grads_match(cfg, reference[1], untrained=("blocks/mlp/bias",))
+    assert_losses_match(cfg, reference[0], grads_too=True)
+
+
+# DeepSeek-V3's router: sigmoid scores, a token's experts from its 2 best of 4 groups, weights
+# times 2.5, balanced by the bias alone (which moves the choices step by step)
+DEEPSEEK = ("model.router_score=sigmoid", "model.router_groups=4", "model.router_topk_groups=2",
+            "model.router_scale=2.5", "model.router_aux_loss_coef=0")
+DEEPSEEK_LAYOUTS = {
+    "deepseek_ep4_x2": dict(data=8, extra=("mesh.expert=4", *DEEPSEEK)),
+    "deepseek_ep2_tp2_sp_zero3": dict(data=4, tensor=2, sp=True, zero=3,
+                                      extra=("mesh.expert=2", *DEEPSEEK)),
+}
+
+
+@pytest.mark.parametrize("name", by_layout(DEEPSEEK_LAYOUTS))
+def test_deepseek_routing_matches_one_device(name):
+    reference = reference_run(moe_config(extra=DEEPSEEK))
+    cfg = moe_config(**DEEPSEEK_LAYOUTS[name])
     assert_grads_match(cfg, reference[1], untrained=("blocks/mlp/bias",))
     assert_losses_match(cfg, reference[0], grads_too=True)
 
