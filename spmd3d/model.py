@@ -20,9 +20,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from . import fp8, moe
+from . import fp8, moe, offload
 from .attention import causal_attention
-from . import offload
 from .config import DTYPES, ModelConfig
 from .manual import per_device, psum, unroll, vary
 from .rope import Positions, apply_rope, rope_frequencies, rope_tables

@@ -17,9 +17,9 @@ scores; the experts in `groups` groups, a token's k chosen from its `topk_groups
 `norm_topk_prob`) and multiplied by `scale` (its `routed_scaling_factor`).
 
 `bias` (DeepSeek-V3's auxiliary-loss-free balancing) is added to the scores for the choice
-only (the groups' ranking included); the weights stay the unbiased scores. The balancing terms are the Switch
-Transformer's load-balancing loss as transformers computes it (`load_balancing_loss`: the
-experts' share of the top-k assignments times their mean probability, times the expert count;
+only (the groups' ranking included); the weights stay the unbiased scores. The balancing terms
+are the Switch Transformer's load-balancing loss as transformers computes it
+(`load_balancing_loss`: the experts' share of the top-k assignments times their mean probability, times the expert count;
 a model scales it by `router_aux_loss_coef`) and ST-MoE's router z-loss (`z_loss`); `imbalance`
 is the step's metric, the most loaded expert's assignments over the mean.
 

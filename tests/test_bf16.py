@@ -50,6 +50,9 @@ LAYOUTS = {  # one per axis and ZeRO stage, and each schedule over stage
     "dp2_seq4_tiles2": dict(data=2, seq=4, extra=["model.attention_tile=2"]),
     "ulysses_dp2_tp2_seq2_sp": dict(data=2, tensor=2, seq=2, sp=True,
                                     extra=["parallel.context=ulysses"]),
+    # HSDP (ZeRO-3 over groups of 2, 2 copies) with tensor 2 and the layer inputs offloaded
+    "hsdp2x2_tp2_zero3_offload": dict(data=4, tensor=2, zero=3, remat="offload",
+                                      extra=["mesh.replicate=2"]),
 }
 
 
@@ -72,7 +75,8 @@ MOE_LAYOUTS = {
 }
 
 
-GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3", "ulysses_dp2_tp2_seq2_sp")  # every leaf's gradient at step 0
+GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3", "ulysses_dp2_tp2_seq2_sp",
+         "hsdp2x2_tp2_zero3_offload")  # every leaf's gradient at step 0
 
 
 def cfg(extra=(), **kw):

@@ -5,8 +5,8 @@ sequence over the ring, in every pipeline schedule (GPipe, circular GPipe, 1F1B,
 1F1B, ZB-H1), the capacity path split 4 ways, and ZeRO-3 over the replicas (and over HSDP's
 groups), under every remat policy; and a checkpoint written at one expert-parallel degree
 resumed at another; DeepSeek-V3's router (sigmoid, group-limited) with experts split 4 ways
-and with tensor + SP under ZeRO-3. Every layout accumulates 2 microbatches, as the reference does (the balancing loss
-is a microbatch's)."""
+and with tensor + SP under ZeRO-3. Every layout accumulates 2 microbatches, as the reference
+does (the balancing loss is a microbatch's)."""
 
 import jax
 import numpy as np

@@ -29,9 +29,9 @@ LOG = logging.getLogger("spmd3d")
 
 TEMPERATURE, TOP_P = 0.7, 0.9  # the command's and the training samples' defaults
 # the run's layout becomes one of plain tensor parallelism: no pipeline, ring or ZeRO
-SERVING = ["mesh.data=1", "mesh.expert=1", "mesh.replicate=1", "mesh.stage=1", "mesh.tensor=1", "mesh.seq=1",
-           "mesh.simulated_devices=-1", "parallel.zero_stage=0", "parallel.pipeline_repeats=1",
-           "train.microbatches=1", "parallel.sequence_parallel=false", "train.global_batch=1"]
+SERVING = ["mesh.data=1", "mesh.expert=1", "mesh.replicate=1", "mesh.stage=1", "mesh.tensor=1",
+           "mesh.seq=1", "mesh.simulated_devices=-1", "parallel.zero_stage=0",
+           "parallel.pipeline_repeats=1", "train.microbatches=1", "parallel.sequence_parallel=false", "train.global_batch=1"]
 
 
 def _next_token(logits_bv, key, temperature: float, top_p: float):

@@ -182,7 +182,8 @@ def describe(c: Candidate) -> dict:
             "exposed_comm_s": t["exposed_comm_s"]}
 
 
-HEADER = (f"{'rank':>4}  {'data':>5} {'copies':>6} {'expert':>6} {'stage':>5} {'tensor':>6} {'seq':>3} "
+HEADER = (f"{'rank':>4}  {'data':>5} {'copies':>6} {'expert':>6} {'stage':>5} {'tensor':>6} "
+          f"{'seq':>3} "
           f"{'context':<7}  "
           f"{'ZeRO':>4}  "
           f"{'SP':<3}  {'schedule':<9} {'micro':>5}  {'remat':<9} {'GB':>6}  {'step s':>7}  "
@@ -191,7 +192,8 @@ HEADER = (f"{'rank':>4}  {'data':>5} {'copies':>6} {'expert':>6} {'stage':>5} {'
 
 def row(rank, d: dict) -> str:
     m = d["mesh"]
-    return (f"{rank:>4}  {m['data']:>5} {m.get('replicate', 1):>6} {m.get('expert', 1):>6} {m['stage']:>5} {m['tensor']:>6} "
+    return (f"{rank:>4}  {m['data']:>5} {m.get('replicate', 1):>6} {m.get('expert', 1):>6} "
+            f"{m['stage']:>5} {m['tensor']:>6} "
             f"{m['seq']:>3} {d.get('context', '-'):<7}  "
             f"{d['zero']:>4}  {'yes' if d['sp'] else 'no':<3}  {d['schedule']:<9} "
             f"{d['microbatches']:>5}  {d['remat']:<9} {d['needed_gb']:>6.1f}  {d['step_s']:>7.3f}  "
