@@ -107,13 +107,15 @@ def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64, segments=None):
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
 
 
-def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt):
+def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt, scale: float | None = None):
     """Queries at absolute positions[B, T] over a KV cache k/v[B, S, K, H] whose slot s holds
     position s: a query at p sees the keys at 0..p (the cache's later slots are not written
-    yet, or hold padding). For generation; scores and softmax in fp32."""
+    yet, or hold padding). For generation; scores and softmax in fp32, scaled by `scale`
+    (default H^-1/2; MLA's absorbed queries are wider than the heads they stand for)."""
     s = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     mask = jnp.arange(k_bskh.shape[1]) <= positions_bt[:, None, None, :, None]
-    p = jax.nn.softmax(jnp.where(mask, s * q_btkgh.shape[-1] ** -0.5, -jnp.inf), axis=-1)
+    scale = q_btkgh.shape[-1] ** -0.5 if scale is None else scale
+    p = jax.nn.softmax(jnp.where(mask, s * scale, -jnp.inf), axis=-1)
     return jnp.einsum("bkgts,bskh->btkgh", p.astype(v_bskh.dtype), v_bskh)
 
 
@@ -126,10 +128,17 @@ def fused_attention(q_btkgh, k_bskh, v_bskh, implementation: str | None = None,
     b, t, k, g, h = q_btkgh.shape
     mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
     # query head n = k * G + g reads key/value head k: the kernel's GQA grouping
-    out = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh, v_bskh,
-                                       mask=mask, is_causal=True,
+    out = jax.nn.dot_product_attention(q_btkgh.reshape(b, t, k * g, h), k_bskh,
+                                       _padded(v_bskh, h), mask=mask, is_causal=True,
                                        implementation=implementation or FUSED)
-    return out.reshape(q_btkgh.shape)
+    return out.reshape(q_btkgh.shape)[..., :v_bskh.shape[-1]]
+
+
+def _padded(v, h: int):
+    """v[..., E] with zeros up to the query head's width h: the fused kernels take one head
+    width for q, k and v (MLA's values are narrower); the output's extra columns are zeros."""
+    e = v.shape[-1]
+    return v if e == h else jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, h - e)])
 
 
 def flash_attention(q_btkgh, k_bskh, v_bskh, segments=None, interpret: bool | None = None):
@@ -146,10 +155,10 @@ def _pallas(q, k, v, ids, interpret: bool | None = None):
     from jax.experimental.pallas.ops.gpu.attention import mha
 
     b, t, kv, g, h = q.shape
-    out = mha(q.reshape(b, t, kv * g, h), jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2),
-              ids, sm_scale=h ** -0.5, causal=True,
+    out = mha(q.reshape(b, t, kv * g, h), jnp.repeat(k, g, axis=2),
+              jnp.repeat(_padded(v, h), g, axis=2), ids, sm_scale=h ** -0.5, causal=True,
               interpret=INTERPRET if interpret is None else interpret)
-    return out.reshape(q.shape)
+    return out.reshape(q.shape)[..., :v.shape[-1]]
 
 
 def _per_device(kernel, q, k, v, segments):

@@ -226,7 +226,7 @@ def trained_params(params) -> int:
     import jax
     from flax import nnx
 
-    from .sharding import Untrained
+    from .untrained import Untrained
 
     return sum(math.prod(v.shape) for v in
                jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))

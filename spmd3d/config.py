@@ -18,11 +18,13 @@ from pathlib import Path
 
 import yaml
 
+from .checks import divides as _divides, need as _need, validate_model
 from .schema import (ATTENTION_KERNELS, DTYPES, EXPERT_KERNELS, EXPERT_WEIGHT_GRADS,  # noqa: F401
                      FP8_RECIPES, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS,
                      CheckpointConfig, Config, ConfigError, DataConfig, DataError, DistConfig,
                      MeshConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
-                     compute_dtype, doc, parse_mixture, parse_xla_flags)
+                     compute_dtype, doc)
+from .parsing import parse_mixture, parse_xla_flags  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,45 +202,12 @@ def override(cfg: Config, **sections) -> Config:
 # ---------------------------------------------------------------------------------------------
 # validation
 
-def _need(cond: bool, field: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(field, message)
-
-
-def _divides(field: str, value: int, by: int, what: str) -> None:
-    _need(value % by == 0, field, f"{value} is not divisible by {what} = {by}")
-
-
 def validate(cfg: Config) -> None:
     """Static checks; `mesh.data = -1` is checked again once the device count is known."""
     m, mesh, par, tr, op = cfg.model, cfg.mesh, cfg.parallel, cfg.train, cfg.optim
-    for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size"):
-        _need(getattr(m, name) > 0, f"model.{name}", "must be positive")
-    _need(m.dtype == "auto" or m.dtype in DTYPES, "model.dtype",
-          f"must be auto or one of {', '.join(DTYPES)}")
+    validate_model(m, mesh)
     _need(op.moment_dtype in ("auto", "float32", "bfloat16"), "optim.moment_dtype",
           "must be auto, float32 or bfloat16")
-    _need(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {', '.join(DTYPES)}")
-    _need(m.attention in ATTENTION_KERNELS, "model.attention",
-          f"must be one of {', '.join(ATTENTION_KERNELS)}")
-    _need(m.head_dim >= 0, "model.head_dim", "must be >= 0")
-    _need(m.attention_tile >= 1, "model.attention_tile", "must be >= 1")
-    _need(m.fp8 in FP8_RECIPES, "model.fp8", f"must be one of {', '.join(FP8_RECIPES)}")
-    _need(m.fp8_history >= 1, "model.fp8_history", "must be >= 1")
-    _need(m.fp8_margin >= 0, "model.fp8_margin", "must be >= 0")
-    _divides("model.num_heads", m.num_heads, m.num_kv_heads, "model.num_kv_heads")
-    if not m.head_dim:
-        _divides("model.d_model", m.d_model, m.num_heads, "model.num_heads")
-    _need(m.dim_per_head % 2 == 0, "model.head_dim", "rotary embeddings need an even head dim")
-    _need(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
-          f"must be one of {', '.join(ROPE_SCALINGS)}")
-    if m.rope_scaling == "llama3":
-        _need(m.rope_factor > 0 and m.rope_original_max_len > 0, "model.rope_factor",
-              "rope_factor and rope_original_max_len must be positive")
-        _need(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor",
-              "must be greater than model.rope_low_freq_factor")
-
-    _validate_moe(m, mesh)
 
     _need(mesh.data == -1 or mesh.data > 0, "mesh.data", "must be positive or -1")
     _need(mesh.replicate >= 1, "mesh.replicate", "must be >= 1")
@@ -291,8 +260,10 @@ def validate(cfg: Config) -> None:
         _divides("train.global_batch", tr.global_batch // tr.microbatches, mesh.data,
                  "mesh.data (per microbatch)")
         if par.zero_stage > 0:
-            _divides("model.d_model", m.d_model, mesh.data // mesh.replicate,
-                     "mesh.data / mesh.replicate (ZeRO shards d_model over a group)")
+            for name in ("d_model", "kv_lora_rank", "q_lora_rank"):  # MLA's latents too
+                if getattr(m, name):
+                    _divides(f"model.{name}", getattr(m, name), mesh.data // mesh.replicate,
+                             f"mesh.data / mesh.replicate (ZeRO shards {name} over a group)")
     if mesh.seq > 1:  # the zig-zag layout cuts the sequence into 2 chunks per ring device
         _divides("train.seq_len", tr.seq_len, 2 * mesh.seq, "2 * mesh.seq (zig-zag chunks)")
     if par.sequence_parallel:
@@ -337,43 +308,6 @@ def validate(cfg: Config) -> None:
     _need(cfg.dist.init_timeout_s > 0, "dist.init_timeout_s", "must be positive")
     _need(cfg.dist.min_processes >= 1, "dist.min_processes", "must be >= 1")
     _need(cfg.dist.max_restarts >= 0, "dist.max_restarts", "must be >= 0")
-
-
-def _validate_moe(m, mesh) -> None:
-    _need(m.num_experts >= 0, "model.num_experts", "must be >= 0 (0: a dense MLP)")
-    _need(mesh.expert > 0, "mesh.expert", "must be positive")
-    if not m.is_moe:
-        _need(mesh.expert == 1, "mesh.expert", "expert parallelism needs model.num_experts > 0")
-        return
-    _need(0 < m.experts_per_token <= m.num_experts, "model.experts_per_token",
-          f"{m.experts_per_token} must be in [1, model.num_experts = {m.num_experts}]")
-    _need(m.d_ff_expert >= 0, "model.d_ff_expert", "must be >= 0 (0: d_ff)")
-    _need(m.shared_experts >= 0, "model.shared_experts", "must be >= 0")
-    for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate",
-                 "capacity_factor"):
-        _need(getattr(m, name) >= 0, f"model.{name}", "must be >= 0 (0: off" +
-              (", dropless)" if name == "capacity_factor" else ")"))
-    _need(m.expert_kernel in EXPERT_KERNELS, "model.expert_kernel",
-          f"must be one of {', '.join(EXPERT_KERNELS)}")
-    _need(m.expert_weight_grad in EXPERT_WEIGHT_GRADS, "model.expert_weight_grad",
-          f"must be one of {', '.join(EXPERT_WEIGHT_GRADS)}")
-    _divides("model.num_experts", m.num_experts, mesh.expert, "mesh.expert")
-    _divides("model.d_ff_expert", m.expert_width, mesh.tensor, "mesh.tensor")
-    _need(m.router_score in ("softmax", "sigmoid"), "model.router_score",
-          "must be softmax or sigmoid")
-    _need(m.router_score == "softmax" or not m.router_aux_loss_coef, "model.router_aux_loss_coef",
-          "the load-balancing loss is the softmax router's; a sigmoid router balances with "
-          "model.router_bias_rate")
-    _need(m.router_groups >= 1, "model.router_groups", "must be >= 1")
-    _divides("model.num_experts", m.num_experts, m.router_groups, "model.router_groups")
-    per_group = m.num_experts // m.router_groups
-    _need(m.router_groups == 1 or per_group >= 2, "model.router_groups",
-          "a group is ranked by its two best experts: at least 2 experts a group")
-    _need(1 <= m.router_topk_groups <= m.router_groups
-          and m.router_topk_groups * per_group >= m.experts_per_token, "model.router_topk_groups",
-          f"must be in [1, model.router_groups] and hold model.experts_per_token experts "
-          f"({per_group} a group)")
-    _need(m.router_scale > 0, "model.router_scale", "must be positive")
 
 
 def resolve_mesh(cfg: Config, num_devices: int) -> Config:

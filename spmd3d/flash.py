@@ -139,7 +139,8 @@ def attend(q, k, v, scale, vis: Visible, tile: int = TILE):
                                                                           mask)),
                             lambda a: a, acc)
 
-    b, t, kh, g, h = q.shape
+    b, t, kh, g = q.shape[:4]
+    h = v.shape[-1]  # the output's head: the values' (MLA's are narrower than the keys')
     if not tiled:
         first = (_like((b, t, kh, g, h), axes), _like((b, kh, g, t), axes, -jnp.inf),
                  _like((b, kh, g, t), axes))

@@ -39,7 +39,7 @@ from flax import nnx
 
 from .manual import vary, varying
 from .schema import FP8_BINS
-from .sharding import Untrained
+from .untrained import Untrained
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 ROLES = ("input", "weight", "grad")  # the three tensors of a projection with a scale each

@@ -48,7 +48,7 @@ import subprocess
 import sys
 from typing import Callable, MutableMapping
 
-from .schema import parse_xla_flags
+from .parsing import parse_xla_flags
 
 PRESET_VERSION = "2026.11-jax0.10"
 OPTIMIZATION_LEVEL = "O1"

@@ -1,5 +1,5 @@
-"""Hugging Face LLaMA, Qwen3, Mixtral and Qwen3-MoE <-> spmd3d: config fields, and every weight's
-name and layout both ways.
+"""Hugging Face LLaMA, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 <-> spmd3d: every weight's
+name and layout both ways (`hf_config.py`: the config's fields).
 
 A LLaMA-family directory holds `config.json` and `*.safetensors` (one file, or several listed by
 `model.safetensors.index.json`). Its weights map onto the checkpoint schema's keys (`store.py`):
@@ -17,6 +17,12 @@ Query head j belongs to kv head j // G in both (transformers' `repeat_kv`), and 
 permutation. A tied checkpoint (no `lm_head`) is untied: the head starts as the embedding's
 transpose and trains on its own; an export writes both.
 
+DeepSeek-V3 (`mla.py`): `self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj,
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}` -> `blocks/attn/{w_q_down, q_norm,
+w_q_up | w_q, w_kv_down, kv_norm, w_kv_up, w_o}`, the rotary dims de-interleaved
+(`_rope_order`); its router's `e_score_correction_bias` is our selection bias, its
+`shared_experts` our `blocks/mlp/shared`.
+
 Numpy only (no jax, no torch). The safetensors files are read and written a tensor at a time
 (`hf_files.py`).
 """
@@ -30,133 +36,9 @@ from typing import Callable
 
 import numpy as np
 
+from .hf_config import family
 from .hf_files import Files, HFError
 from .schema import ModelConfig
-
-# ------------------------------------------------------------------------------------- config
-FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")
-# model types people will try that need features not built, with what is missing
-NOT_BUILT = {"deepseek_v3": "multi-head latent attention (MLA)", "deepseek_v2": "MLA",
-             "qwen2_moe": "the shared expert's gate", "gpt_oss": "attention sinks and biases"}
-
-
-def model_fields(hf: dict, where: str = "config.json") -> dict:
-    """`model.*` fields from a transformers `config.json` of a family this model computes
-    (LLaMA, Mistral, Qwen3; Mixtral and Qwen3-MoE); what it cannot compute the same way
-    (biases, other activations, sliding windows, other RoPE scalings, dense layers among MoE
-    ones) is refused with an `HFError` naming the field."""
-    def refuse(name, why):
-        raise HFError(f"{where}: {name}", why)
-
-    kind = hf.get("model_type")
-    if kind in NOT_BUILT:
-        refuse("model_type", f"{kind!r} needs {NOT_BUILT[kind]}, which spmd3d does not have")
-    if kind not in FAMILIES:
-        refuse("model_type", f"{kind!r} is not supported ({', '.join(FAMILIES)})")
-    for name in ("attention_bias", "mlp_bias"):
-        if hf.get(name):
-            refuse(name, "biases are not supported (spmd3d's LLaMA has none)")
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", f"{hf['hidden_act']!r} is not supported (SwiGLU uses silu)")
-    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
-        refuse("sliding_window", "sliding-window attention is not supported")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
-    rope.update(hf.get("rope_scaling") or {})
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_kind = rope.get("rope_type", rope.get("type", "default"))
-    fields = dict(num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], num_heads=heads,
-                  num_kv_heads=hf.get("num_key_value_heads") or heads,
-                  d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-                  head_dim=0 if head_dim * heads == hf["hidden_size"] else head_dim,
-                  rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                  rope_scaling="none", qk_norm=kind in ("qwen3", "qwen3_moe"))
-    if rope_kind == "llama3":
-        fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                      rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_max_len=int(rope["original_max_position_embeddings"]))
-    elif rope_kind != "default":
-        refuse("rope_scaling", f"rope_type {rope_kind!r} is not supported (default or llama3)")
-    if kind == "mixtral":
-        if hf.get("router_jitter_noise"):
-            refuse("router_jitter_noise", "router noise is not supported")
-        fields.update(num_experts=hf["num_local_experts"], d_ff_expert=hf["intermediate_size"],
-                      router_renormalize=True)
-    elif kind == "qwen3_moe":
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            refuse("mlp_only_layers", "dense layers among the MoE ones are not supported "
-                                      "(every layer's MLP is MoE)")
-        # transformers 5 spells Qwen3-MoE's expert count as Mixtral's, 4 as `num_experts`
-        experts = hf.get("num_local_experts") or hf["num_experts"]
-        fields.update(num_experts=experts, d_ff_expert=hf["moe_intermediate_size"],
-                      router_renormalize=bool(hf.get("norm_topk_prob", False)))
-    if kind in ("mixtral", "qwen3_moe"):
-        fields.update(experts_per_token=hf["num_experts_per_tok"],
-                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
-    return fields
-
-
-def family(cfg: ModelConfig) -> str:
-    """The transformers family an export writes: Qwen3 when the heads are q/k-normed (Qwen3-MoE
-    for MoE), else LLaMA (Mixtral for MoE)."""
-    if cfg.is_moe:
-        return "qwen3_moe" if cfg.qk_norm else "mixtral"
-    return "qwen3" if cfg.qk_norm else "llama"
-
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-
-
-def exportable(cfg: ModelConfig) -> None:
-    """Raises HFError where no transformers family holds `cfg`'s model."""
-    deepseek = cfg.is_moe and (cfg.router_score != "softmax" or cfg.router_groups > 1
-                               or cfg.router_scale != 1.0)
-    why = ("shared experts are in none of Mixtral, Qwen3-MoE" if cfg.shared_experts else
-           "DeepSeek-V3's routing (model.router_score, router_groups, router_scale) is in "
-           "none of Mixtral, Qwen3-MoE" if deepseek else
-           "Mixtral renormalizes the top-k weights (model.router_renormalize=false is "
-           "Qwen3-MoE's, with model.qk_norm=true)" if family(cfg) == "mixtral"
-           and not cfg.router_renormalize else "")
-    if why:
-        raise HFError("model", f"cannot be exported: {why}")
-
-
-def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
-    """A transformers `config.json` for `cfg`: `base` (the imported model's own, keeping its
-    token ids and the like) with every field this model decides overwritten."""
-    out = {k: v for k, v in (base or {}).items()
-           if k not in ("rope_parameters", "rope_scaling", "auto_map", "quantization_config")}
-    heads, d, kind = cfg.num_heads, cfg.d_model, family(cfg)
-    out.update(architectures=[ARCHITECTURES[kind]], model_type=kind, hidden_size=d,
-               num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
-               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.dim_per_head,
-               intermediate_size=cfg.d_ff, vocab_size=cfg.vocab_size, hidden_act="silu",
-               rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
-               mlp_bias=False, tie_word_embeddings=False, torch_dtype=dtype)
-    if kind == "mixtral":
-        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                   intermediate_size=cfg.expert_width, router_jitter_noise=0.0,
-                   router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=None)
-    elif kind == "qwen3_moe":
-        out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
-                   num_experts_per_tok=cfg.experts_per_token,
-                   moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
-                   decoder_sparse_step=1, mlp_only_layers=[],
-                   router_aux_loss_coef=cfg.router_aux_loss_coef)
-    if kind.startswith("qwen3"):
-        out.update(use_sliding_window=False, sliding_window=None)
-    if "dtype" in out:  # transformers 5 writes `dtype`, 4 reads `torch_dtype`
-        out["dtype"] = dtype
-    out.setdefault("max_position_embeddings", cfg.rope_original_max_len)
-    out["rope_scaling"] = None if cfg.rope_scaling == "none" else {
-        "rope_type": "llama3", "factor": cfg.rope_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_len}
-    return out
-
 
 # ------------------------------------------------------------------------------------ weights
 @dataclass(frozen=True)
@@ -217,9 +99,60 @@ LLAMA = (
 )
 WEIGHTS = LLAMA  # a LLaMA's (`weights` gives any model's)
 
+def _rope_order(r: int):
+    """(ours from theirs, theirs from ours): DeepSeek's rotary dims lie in interleaved pairs,
+    which transformers de-interleaves (evens, then odds) before rotating halves; ours are
+    stored de-interleaved."""
+    ours = np.r_[np.arange(0, r, 2), np.arange(1, r, 2)]
+    return ours, np.argsort(ours)
+
+
+def _rope_last(w, cfg, axis: int, way: int):
+    """w with its last R entries along `axis` reordered (`_rope_order`'s `way`: 0 to ours)."""
+    r = cfg.qk_rope_head_dim
+    keep, rot = np.split(w, [w.shape[axis] - r], axis=axis)
+    return np.concatenate([keep, np.take(rot, _rope_order(r)[way], axis=axis)], axis=axis)
+
+
+def _heads(width: int, rope: bool):
+    """The conversions of a linear [N * width, in] <-> our [in, N, width], a head's last R
+    dims reordered where `rope`."""
+    def to_ours(ts, cfg):
+        w = ts[0].reshape(cfg.num_heads, width, -1)
+        return (_rope_last(w, cfg, 1, 0) if rope else w).transpose(2, 0, 1)
+
+    def to_hf(w, cfg):
+        w = w.transpose(1, 2, 0)
+        return [(_rope_last(w, cfg, 1, 1) if rope else w).reshape(cfg.num_heads * width, -1)]
+
+    return to_ours, to_hf
+
+
+def _mla_weights(cfg: ModelConfig) -> tuple:
+    """DeepSeek-V3's attention (`mla.py`): its [out, in] linears to our [in, ...] weights,
+    the rotary dims of the queries and of the shared key de-interleaved (`_rope_order`)."""
+    a, qk = _LAYER + "self_attn.", cfg.dim_per_head
+    q = ((Weight("blocks/attn/w_q_down", (a + "q_a_proj.weight",), _T, _T_OUT),
+          Weight("blocks/attn/q_norm/scale", (a + "q_a_layernorm.weight",), _SAME, _SAME_OUT),
+          Weight("blocks/attn/w_q_up", (a + "q_b_proj.weight",), *_heads(qk, True)))
+         if cfg.q_lora_rank else
+         (Weight("blocks/attn/w_q", (a + "q_proj.weight",), *_heads(qk, True)),))
+    return q + (
+        Weight("blocks/attn/w_kv_down", (a + "kv_a_proj_with_mqa.weight",),
+               lambda ts, cfg: _rope_last(ts[0], cfg, 0, 0).T,
+               lambda w, cfg: [_rope_last(w.T, cfg, 0, 1)]),
+        Weight("blocks/attn/kv_norm/scale", (a + "kv_a_layernorm.weight",), _SAME, _SAME_OUT),
+        Weight("blocks/attn/w_kv_up", (a + "kv_b_proj.weight",),
+               *_heads(cfg.qk_nope_head_dim + cfg.v_head_dim, False)),
+        Weight("blocks/attn/w_o", (a + "o_proj.weight",),
+               lambda ts, cfg: ts[0].T.reshape(cfg.num_heads, cfg.v_head_dim, cfg.d_model),
+               lambda w, cfg: [w.reshape(-1, cfg.d_model).T]))
+
+
 # an MoE layer's experts, per family: (module prefix, router, gate, up, down) names
 _EXPERTS = {"mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
-            "qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
+            "qwen3_moe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
+            "deepseek_v3": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")}
 
 
 def _moe_weights(cfg: ModelConfig) -> tuple:
@@ -239,9 +172,23 @@ def _moe_weights(cfg: ModelConfig) -> tuple:
                lambda w, cfg: [w[j, :, 0].T for j in range(e)] + [w[j, :, 1].T for j in range(e)]),
         Weight("blocks/mlp/w_down", tuple(f"{x}{down}.weight" for x in each),
                lambda ts, cfg: np.stack([t.T for t in ts]), lambda w, cfg: [t.T for t in w]),
+        # DeepSeek-V3's selection bias is its e_score_correction_bias; elsewhere ours alone
+        Weight("blocks/mlp/bias", (_LAYER + f"{prefix}{router}.e_score_correction_bias",),
+               _SAME, _SAME_OUT) if family(cfg) == "deepseek_v3" else
         Weight("blocks/mlp/bias", (), _zeros(e), _NONE),
         Weight("blocks/mlp/probe", (), _zeros(e + 3), _NONE),  # moe.stats_size
-    )
+    ) + _shared(cfg, prefix)
+
+
+def _shared(cfg: ModelConfig, prefix: str) -> tuple:
+    """The shared experts (DeepSeek-V3's `shared_experts`: one SwiGLU of their summed width)
+    as a dense MLP's weights."""
+    if not cfg.shared_experts:
+        return ()
+    there = _LAYER + f"{prefix}shared_experts."
+    return tuple(Weight(w.key.replace("mlp/", "mlp/shared/"),
+                        tuple(n.replace(_LAYER + "mlp.", there) for n in w.names), w.to_ours,
+                        w.to_hf) for w in LLAMA if w.key.startswith("blocks/mlp/"))
 
 
 def _zeros(shape):  # our own state's conversion: zeros on import ...
@@ -261,7 +208,9 @@ def _fp8_weights(cfg: ModelConfig) -> tuple:
 
 def weights(cfg: ModelConfig) -> tuple:
     """Every parameter's conversion for `cfg`'s model (its family: `family`)."""
-    out = [w for w in LLAMA if not (cfg.is_moe and w.key.startswith("blocks/mlp/"))]
+    out = [w for w in LLAMA if not (cfg.is_moe and w.key.startswith("blocks/mlp/"))
+           and not (cfg.is_mla and w.key.startswith("blocks/attn/"))]
+    out += _mla_weights(cfg) if cfg.is_mla else ()
     if cfg.qk_norm:
         out += [Weight(f"blocks/attn/{n}", (_LAYER + f"self_attn.{n}.weight",), _SAME, _SAME_OUT)
                 for n in ("q_norm", "k_norm")]

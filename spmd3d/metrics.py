@@ -23,10 +23,11 @@ def matmul_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: float = 0.5) -> float:
     """Training FLOPs per token (forward + backward, no recompute): 6 N for the matmul
     parameters N (the head included, the embedding lookup not), plus the attention scores and
-    their use, 12 L H Q T in PaLM's count for a full T x T score matrix. A causal model needs
+    their use, 12 L H Q T in PaLM's count for a full T x T score matrix (6 L H (Q + V) T where
+    the value head V is narrower than the query's Q: MLA). A causal model needs
     only the half below the diagonal, so MFU counts `causal` = 0.5 of it (as MaxText and
     Megatron do); `causal=1` gives PaLM's figure."""
-    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len
+    attention = 6 * cfg.num_layers * cfg.num_heads * (cfg.dim_per_head + cfg.value_dim) * seq_len
     return 6 * matmul_params(cfg) + causal * attention
 
 

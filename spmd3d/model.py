@@ -20,9 +20,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from . import fp8, moe, offload
+from . import fp8, mla, moe, offload
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
+from .layers import RMSNorm, param, project, rms_norm, use
 from .manual import per_device, psum, unroll, vary
 from .rope import Positions, apply_rope, rope_frequencies, rope_tables
 from .swiglu import swiglu
@@ -50,47 +51,6 @@ def remat_policy(name: str):
     return policy
 
 
-def _use(p: Param, dtype):
-    """The value of parameter `p` as a matmul input (see `sharding.use_param`)."""
-    return use_param(p[...], p.get_metadata("axes"), dtype)
-
-
-def _project(module, name: str, x, ops: Ops | None = None):
-    """Projection `name` of `module` (its `PROJECTIONS`: weight and einsum) applied to x,
-    through FP8 when the module has scaling state (`fp8.einsum`)."""
-    weight, spec = module.PROJECTIONS[name]
-    w = _use(getattr(module, weight), module.dtype)
-    with jax.named_scope(name):  # the planner finds a projection's output by this name
-        meta = getattr(module, "fp8", None)
-        y = jnp.einsum(spec, x, w) if meta is None else \
-            fp8.einsum(spec, x, w, meta, list(module.PROJECTIONS).index(name))
-    return y if ops is None else ops.project(name, x, y)
-
-
-def _param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> Param:
-    value = std * jax.random.normal(rngs.params(), shape, dtype)
-    return Param(value, axes=axes)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig):
-        self.eps = cfg.norm_eps
-        # `norm`, not `embed`: ZeRO never shards these d_model-sized vectors (it would save
-        # nothing and cost a collective per layer)
-        self.scale = Param(jnp.ones((cfg.d_model,), cfg.param_dtype), axes=("norm",))
-
-    def __call__(self, x_btd):
-        with jax.named_scope("norm"):  # the planner finds what a norm keeps by this name
-            return rms_norm(x_btd, _use(self.scale, jnp.float32), self.eps)
-
-
-def rms_norm(x, scale_d, eps: float):
-    """x / rms(x) * scale over the last dim; statistics in fp32 whatever the compute dtype."""
-    y = x.astype(jnp.float32)
-    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
-    return (y * scale_d).astype(x.dtype)
-
-
 class Attention(nnx.Module):
     """Q, K and V come from one fused weight [D, K, G+2, H]: per kv head, its G query heads,
     then its key and its value. Splitting `kv_heads` over `tensor` keeps each group whole on one
@@ -108,34 +68,35 @@ class Attention(nnx.Module):
         # Qwen3: RMSNorm over each query and key head before RoPE, one [H] scale each
         self.q_norm = Param(jnp.ones((h,), cfg.param_dtype), axes=("head_dim",)) if cfg.qk_norm else None
         self.k_norm = Param(jnp.ones((h,), cfg.param_dtype), axes=("head_dim",)) if cfg.qk_norm else None
-        self.w_qkv = _param(rngs, (d, k, self.g + 2, h), ("embed", "kv_heads", "q_per_kv", "head_dim"),
+        self.w_qkv = param(rngs, (d, k, self.g + 2, h), ("embed", "kv_heads", "q_per_kv", "head_dim"),
                             cfg.init_std, cfg.param_dtype)
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.w_o = _param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
+        self.w_o = param(rngs, (k, self.g, h, d), ("kv_heads", "q_per_kv", "head_dim", "embed"),
                           out_std, cfg.param_dtype)
         self.fp8 = fp8.meta(len(self.PROJECTIONS), cfg)
 
     def __call__(self, x_btd, pos: Positions, ops: Ops):
-        qkv = _project(self, "qkv", x_btd, ops)
+        qkv = project(self, "qkv", x_btd, ops)
         # a split (not three slices): its transpose is one concatenate, not pads and adds
         q, k, v = jnp.split(qkv, [self.g, self.g + 1], axis=3)
         k = k[:, :, :, 0]
         if self.q_norm is not None:
             with jax.named_scope("norm"):
-                q = rms_norm(q, _use(self.q_norm, jnp.float32), self.eps)
-                k = rms_norm(k, _use(self.k_norm, jnp.float32), self.eps)
+                q = rms_norm(q, use(self.q_norm, jnp.float32), self.eps)
+                k = rms_norm(k, use(self.k_norm, jnp.float32), self.eps)
         q = apply_rope(q, pos.cos, pos.sin)
         k = apply_rope(k, pos.cos, pos.sin)
         v = v[:, :, :, 0]
         q = constrain(q, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        k, v = ops.keep(k), ops.keep(v)  # decoding: the cache, these positions written
         with jax.named_scope("kernel"):
             # pinned heads-split so that its cotangent is too (the backward stays per head)
             out = (ops.attend(q, k, v) if pos.segments is None else
                    ops.attend(q, k, v, pos.segments))
             out = constrain(out, ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
-        return _project(self, "o", out, ops)
+        return project(self, "o", out, ops)
 
 
 class MLP(nnx.Module):
@@ -146,18 +107,18 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.dtype = cfg.dtype
-        self.w_gate_up = _param(rngs, (cfg.d_model, 2, cfg.d_ff), ("embed", "gate_up", "mlp"),
+        self.w_gate_up = param(rngs, (cfg.d_model, 2, cfg.d_ff), ("embed", "gate_up", "mlp"),
                                 cfg.init_std, cfg.param_dtype)
-        self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"),
+        self.w_down = param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"),
                              cfg.init_std / (2 * cfg.num_layers) ** 0.5, cfg.param_dtype)
         self.fp8 = fp8.meta(len(self.PROJECTIONS), cfg)
 
     def __call__(self, x_btd, ops: Ops | None = None):
-        h = _project(self, "gate_up", x_btd, ops)
+        h = project(self, "gate_up", x_btd, ops)
         gate, up = jnp.split(h, 2, axis=2)
         a = swiglu(gate[:, :, 0], up[:, :, 0])
         a = constrain(a, ("batch", "length", "mlp"))
-        return _project(self, "down", a, ops)
+        return project(self, "down", a, ops)
 
 
 class MoE(nnx.Module):
@@ -172,10 +133,10 @@ class MoE(nnx.Module):
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_width
         self.dtype, self.cfg = cfg.dtype, cfg
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.router = _param(rngs, (d, e), ("embed", "routes"), cfg.init_std, cfg.param_dtype)
-        self.w_gate_up = _param(rngs, (e, d, 2, f), ("experts", "expert_embed", "gate_up", "mlp"),
+        self.router = param(rngs, (d, e), ("embed", "routes"), cfg.init_std, cfg.param_dtype)
+        self.w_gate_up = param(rngs, (e, d, 2, f), ("experts", "expert_embed", "gate_up", "mlp"),
                                 cfg.init_std, cfg.param_dtype)
-        self.w_down = _param(rngs, (e, f, d), ("experts", "mlp", "expert_embed"), out_std,
+        self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "expert_embed"), out_std,
                              cfg.param_dtype)
         self.bias = moe.RouterState(jnp.zeros((e,), jnp.float32), axes=("routes",))
         self.probe = moe.RouterState(jnp.zeros((moe.stats_size(e),), jnp.float32), axes=("routes",))
@@ -186,8 +147,8 @@ class MoE(nnx.Module):
         c, L = self.cfg, self.cfg.num_layers
         with jax.named_scope("experts"):
             y = moe.experts_layer(
-                x_btd, _use(self.router, jnp.float32), _use(self.w_gate_up, self.dtype),
-                _use(self.w_down, self.dtype), self.bias[...], self.probe[...],
+                x_btd, use(self.router, jnp.float32), use(self.w_gate_up, self.dtype),
+                use(self.w_down, self.dtype), self.bias[...], self.probe[...],
                 routing=moe.Routing.of(c), kernel=c.expert_kernel,
                 aux_weight=c.router_aux_loss_coef / L, z_weight=c.router_z_loss_coef / L,
                 capacity_factor=c.capacity_factor, weight_grad=c.expert_weight_grad)
@@ -196,14 +157,14 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.attn = mla.LatentAttention(cfg, rngs) if cfg.is_mla else Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.mlp = MoE(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
 
     def project(self, name: str, x):
         """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""
-        return _project(self.attn if name in Attention.PROJECTIONS else self.mlp, name, x)
+        return project(self.attn if name in self.attn.PROJECTIONS else self.mlp, name, x)
 
     def __call__(self, x_btd, pos: Positions, ops: Ops):
         # residual stream x[B_data, T_res, D]: T_res is split over tensor too under SP
@@ -237,7 +198,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         order = None if layer_order is None else tuple(int(i) for i in layer_order)
         self.layer_order = None if order == tuple(range(cfg.num_layers)) else order  # -1: pad
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std, cfg.param_dtype)
 
         @nnx.split_rngs(splits=cfg.num_layers)
@@ -246,14 +207,14 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg)
-        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
 
     def embed_tokens(self, tokens_bt):
         """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype (`embed_lookup`)."""
         with jax.named_scope("embed"):
-            x = embed_lookup(_use(self.embed, self.cfg.param_dtype), tokens_bt)
+            x = embed_lookup(use(self.embed, self.cfg.param_dtype), tokens_bt)
             return constrain(x.astype(self.cfg.dtype), ("batch", "res_length", "embed"))
 
     def rope(self, positions_t, segments=None) -> Positions:
@@ -300,7 +261,7 @@ class Transformer(nnx.Module):
         """x[B_data, T_res, D] -> logits[B_data, T, V_tensor] in fp32."""
         with jax.named_scope("head"):
             x = self.final_norm(x_btd)
-            logits = jnp.einsum("btd,dv->btv", x, _use(self.head, self.cfg.dtype),
+            logits = jnp.einsum("btd,dv->btv", x, use(self.head, self.cfg.dtype),
                                 preferred_element_type=jnp.float32)
             return constrain(logits, ("batch", "length", "vocab"))
 

@@ -39,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 from . import grouped
 from .manual import all_gather, per_device, psum, psum_scatter, vary
 from .mesh import EXPERT, TENSOR
-from .sharding import Untrained, current_layout
+from .sharding import current_layout
+from .untrained import Untrained
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,24 @@ class Ops:
     x, y)`, what becomes of each projection's output y = x . w. Plain, y itself. Tapped (`tap`)
     for a zero-bubble schedule: y plus `zeros[name]`, a zero input of y's shape, with x
     recorded in `inputs`; with `zeros=None`, the outputs are recorded instead (to learn their
-    shapes)."""
+    shapes).
 
-    def __init__(self, attend, zeros: dict | None = None, tapped: bool = False):
-        self.attend, self.zeros, self.tapped = attend, zeros, tapped
+    Decoding, `cache(x)` is given: `keep(x)` writes what attention keeps of the new positions
+    (K and V; MLA's latent) into the cache and returns all of it, and `attend` takes the
+    cached keys (`attend(q, k, v, scale=...)`); `cached` says so to a layer that attends in
+    another form then (MLA, absorbed)."""
+
+    def __init__(self, attend, zeros: dict | None = None, tapped: bool = False, cache=None):
+        self.attend, self.zeros, self.tapped, self.cache = attend, zeros, tapped, cache
         self.inputs, self.outputs = {}, {}
+
+    @property
+    def cached(self) -> bool:
+        return self.cache is not None
+
+    def keep(self, x):
+        """x[B, T, ...] as attention sees it: itself, or decoding, the cache it was written into."""
+        return x if self.cache is None else self.cache(x)
 
     def tap(self, zeros: dict | None = None) -> "Ops":
         """Fresh tapped ops with the same kernel (one per traced layer call)."""

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from .config import OptimConfig
-from .sharding import trainable
+from .untrained import trainable
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -22,11 +22,11 @@ class Positions(NamedTuple):
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """The rotary frequencies [H/2] (fp32, numpy), computed as transformers' LLaMA does:
+    """The rotary frequencies [R/2] of the rotated part R of a head (fp32, numpy), computed as transformers' LLaMA does:
     1 / theta^(2i/H), and with `rope_scaling = llama3` LLaMA 3.1's rescaling (wavelengths
     longer than original_max_len / low_freq_factor slowed down by `rope_factor`, those shorter
     than original_max_len / high_freq_factor kept, a linear blend in between)."""
-    h = cfg.dim_per_head
+    h = cfg.rope_dim
     freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h)))
     if cfg.rope_scaling == "llama3":
         lo, hi, n = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len

@@ -5,9 +5,6 @@ re-exports everything here.
 
 from __future__ import annotations
 
-import math
-import re
-
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -37,22 +34,6 @@ class ConfigError(ValueError):
         self.field = field
 
 
-_XLA_FLAG = re.compile(r"--([A-Za-z0-9_]+)(=\S*)?")
-
-
-def parse_xla_flags(text: str, field: str = "run.xla_flags") -> dict[str, str | None]:
-    """`--name=value --name ...` -> {name: value, or None for a bare `--name`}; a repeated name
-    keeps its last value, as XLA does. Anything else raises ConfigError(field, ...)."""
-    flags: dict[str, str | None] = {}
-    for token in text.split():
-        m = _XLA_FLAG.fullmatch(token)
-        if not m:
-            raise ConfigError(field, f"{token!r} is not --name=value or --name (XLA flags, "
-                                     f"separated by spaces)")
-        flags[m.group(1)] = None if m.group(2) is None else m.group(2)[1:]
-    return flags
-
-
 class DataError(ValueError):
     """Bad data input, blamed on one config field so the message can point the user at it.
 
@@ -63,27 +44,6 @@ class DataError(ValueError):
         self.field = field
         self.message = " ".join(str(message).split())  # keep it to one line
         super().__init__(f"{field}: {self.message}")
-
-
-def parse_mixture(spec: str, field: str = "data.mixture") -> list[tuple[str, float]]:
-    """`PATH=WEIGHT,PATH=WEIGHT,...` -> [(path, weight)], refused naming the field when a
-    weight is not a non-negative number or all are zero."""
-    out = []
-    for entry in (e.strip() for e in spec.split(",")):
-        path, sep, weight = entry.rpartition("=")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = None
-        if not sep or not path.strip() or value is None or not math.isfinite(value):
-            raise DataError(field, f"{entry!r} is not PATH=WEIGHT (sources are "
-                                   "PATH=WEIGHT,PATH=WEIGHT,...)")
-        if value < 0:
-            raise DataError(field, f"{path.strip()}'s weight {weight} is negative")
-        out.append((path.strip(), value))
-    if not sum(w for _, w in out) > 0:
-        raise DataError(field, "every weight is zero")
-    return out
 
 
 def doc(default, help: str):
@@ -120,6 +80,16 @@ class ModelConfig:
     attention_tile: int = doc(1024, "ring and gathered attention: the score tiles of a ring "
                                     "step span at most this many queries and keys")
     qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
+    # multi-head latent attention (mla.py, DeepSeek-V2/V3): keys and values from one
+    # compressed latent, a rotary key part shared by the heads; num_kv_heads = num_heads
+    kv_lora_rank: int = doc(0, "MLA when > 0: width of the compressed key/value latent "
+                               "(DeepSeek-V3: 512); 0: grouped-query attention")
+    q_lora_rank: int = doc(0, "MLA: width of the query latent (DeepSeek-V3: 1536); 0: "
+                              "queries projected straight from d_model")
+    qk_nope_head_dim: int = doc(128, "MLA: the part of a query/key head without positions")
+    qk_rope_head_dim: int = doc(64, "MLA: the rotary part of a query/key head (one rotary key "
+                                    "shared by all heads)")
+    v_head_dim: int = doc(128, "MLA: width of a value head")
     # FP8 projections (fp8.py): QKV, attention output and the MLP's, e4m3 forward, e5m2
     # gradients, per-tensor scales; the rest stays in `dtype`
     fp8: str = doc("off", "FP8 projections: off, or delayed (each tensor's scale from its amax "
@@ -171,8 +141,36 @@ class ModelConfig:
         return self.d_ff_expert or self.d_ff
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def dim_per_head(self) -> int:
+        """A query/key head's width (MLA: its no-position and rotary parts)."""
+        if self.is_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def value_dim(self) -> int:
+        """A value head's width."""
+        return self.v_head_dim if self.is_mla else self.dim_per_head
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated part of a query/key head."""
+        return self.qk_rope_head_dim if self.is_mla else self.dim_per_head
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention weights: wq, wk, wv, wo; MLA's down and up projections."""
+        d, n, h = self.d_model, self.num_heads, self.dim_per_head
+        if not self.is_mla:
+            return d * (n + 2 * self.num_kv_heads) * h + n * h * d
+        q = d * n * h if not self.q_lora_rank else self.q_lora_rank * (d + n * h)
+        c = self.kv_lora_rank
+        return (q + d * (c + self.qk_rope_head_dim) + c * n * (self.qk_nope_head_dim + self.v_head_dim)
+                + n * self.v_head_dim * d)
 
     @property
     def fp8_state(self) -> dict:
@@ -188,12 +186,12 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """One layer's matmul weights: wq, wk, wv, wo and the gated MLP (the norms' 2 d are
-        noise)."""
-        d, h, k, f = self.d_model, self.dim_per_head, self.num_kv_heads, self.d_ff
+        """One layer's matmul weights: attention's (`attention_params`) and the gated MLP's (the
+        norms' 2 d are noise)."""
+        d, f = self.d_model, self.d_ff
         mlp = 3 * d * f if not self.is_moe else \
             3 * d * self.expert_width * (self.num_experts + self.shared_experts) + d * self.num_experts
-        return d * (self.num_heads + 2 * k) * h + self.num_heads * h * d + mlp
+        return self.attention_params + mlp
 
     @property
     def active_layer_params(self) -> int:

@@ -30,8 +30,8 @@ from .pipeline import run as pipelined
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import (activation_rules, advance_untrained, constrain, flat_axes, mesh_axes,
-                       shardings_for, untrained_zeroed, use_param)
+from .sharding import activation_rules, constrain, flat_axes, mesh_axes, shardings_for, use_param
+from .untrained import advance_untrained, untrained_zeroed
 
 
 class TrainState(NamedTuple):

@@ -77,6 +77,23 @@ def assert_reloaded_equal(model, reloaded, ref):
         assert np.array_equal(reloaded(torch.tensor(TOKENS)).logits.numpy(), ref)
 
 
+def refused_import(hf_dir, tmp_path, capsys, change: dict, extra=()) -> str:
+    """The one error line of `convert import` of a copy of HF_DIR whose config.json has
+    `change`, after asserting it exits 2."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    for f in hf_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text()) | change
+    (src / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert convert_command.main(["import", str(src), str(tmp_path / "run"),
+                                 "mesh.simulated_devices=0", "mesh.tensor=1", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
 def read_params(run_dir, cfg):
     arrays, _ = checkpoint.read(run_dir, lambda k: k.startswith("params/"))
     model = Plan.resolve(cfg, jax.devices()[:cfg.mesh.num_devices]).cfg.model  # dtype resolved

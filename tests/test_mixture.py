@@ -11,7 +11,8 @@ from helpers import SMALL
 from spmd3d import config
 from spmd3d.data import DataError, TokenBatches
 from spmd3d.data.mixture import BLOCK, Mixture, quotas
-from spmd3d.schema import ConfigError, parse_mixture
+from spmd3d.parsing import parse_mixture
+from spmd3d.schema import ConfigError
 from spmd3d.train import train
 
 WEIGHTS = [0.55, 0.3, 0.15]

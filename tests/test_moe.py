@@ -337,7 +337,7 @@ def test_export_refuses_routing_no_transformers_family_holds():
     refuses them in one line instead of writing a checkpoint that routes otherwise."""
     from dataclasses import replace
 
-    from spmd3d import hf
+    from spmd3d import hf_config as hf
     base = config.load(None, ["model.num_experts=8"]).model
     hf.exportable(base)
     for change in (dict(shared_experts=1), dict(router_score="sigmoid"),

@@ -42,7 +42,8 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 def import_config(hf_dir: str | Path, preset: str | None = None, overrides=()) -> Config:
     """The run's config: defaults <- `preset` <- `overrides` <- the model's fields from
     `HF_DIR/config.json` (validated once, all together: the mesh must suit that model)."""
-    from ..hf import Reader, model_fields
+    from ..hf import Reader
+    from ..hf_config import model_fields
 
     fields = model_fields(Reader(hf_dir).config, f"{hf_dir}/config.json")
     tokenizer = [f"data.tokenizer={hf_dir}"] if (Path(hf_dir) / "tokenizer.json").is_file() else []
@@ -188,7 +189,8 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
 
     from ..checkpoint import CheckpointError, Damaged
     from ..checkpoint.slices import StepArrays
-    from ..hf import HFError, exportable, hf_config, weights
+    from ..hf import HFError, weights
+    from ..hf_config import exportable, hf_config
     from ..hf_files import Writer
 
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)
@@ -211,7 +213,7 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, step: int | None = None,
                 # layer alive while the next one is read
                 for part in arrays.layers(f"params/{w.key}", w.stacked):
                     layer += 1
-                    if w.key == "blocks/mlp/bias" and np.any(part):
+                    if w.key == "blocks/mlp/bias" and not w.names and np.any(part):
                         raise HFError("model.router_bias_rate", "trained a selection bias for "
                                       "the experts, which no transformers family holds: the "
                                       "export would route otherwise")

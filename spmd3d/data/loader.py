@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import DataError, TokenBatches, held_out, load_tokens
 from .mixture import Mixture
-from ..schema import parse_mixture
+from ..parsing import parse_mixture
 
 
 def training_data(cfg):

@@ -57,8 +57,6 @@ class Generator:
     """Prefill and decode for `plan` (its `train.seq_len` is the cache length), compiled once
     per batch size. `generate(prompts, ...)` returns the new tokens of every prompt."""
 
-    CACHE = (None, "batch", None, "kv_heads", "head_dim")  # [L, B, S, K, H]
-
     def __init__(self, plan, graphdef, params, temperature: float = 0.0, top_p: float = 1.0):
         import jax
 
@@ -66,13 +64,25 @@ class Generator:
         self.sampling = (float(temperature), float(top_p))
         self.cache_len = plan.cfg.train.seq_len
         # the new tokens replicated: every process reads them (several hosts), the cache stays
-        out = (self.plan.sharding(self.CACHE),) * 2, self.plan.sharding(())
+        out = tuple(self.plan.sharding(axes) for _, axes in self.layout(1)), self.plan.sharding(())
         self._prefill = jax.jit(self._prefill_fn, out_shardings=out)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1, out_shardings=out)
 
+    def layout(self, batch: int) -> list:
+        """[(shape, logical axes)] of the cache, one entry per array a layer keeps
+        (`Ops.keep`), stacked over the layers: K and V [L, B, S, K, H], split by kv heads; with
+        MLA the latent and the rotary key [L, B, S, C + R], whole on every tensor shard."""
+        m, s = self.plan.cfg.model, self.cache_len
+        if m.is_mla:
+            return [((m.num_layers, batch, s, m.kv_lora_rank + m.qk_rope_head_dim),
+                     (None, "batch", None, None))]
+        return [((m.num_layers, batch, s, m.num_kv_heads, width),
+                 (None, "batch", None, "kv_heads", "head_dim"))
+                for width in (m.dim_per_head, m.value_dim)]
+
     def _forward(self, params, tokens_bt, positions_bt, cache):
-        """Final activations [B, T, D] of tokens at positions[B, T], and the cache with their
-        keys and values written: (k, v), each [L, B, S, K, H]."""
+        """Final activations [B, T, D] of tokens at positions[B, T], and the cache (`layout`)
+        with what their attention keeps written."""
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -89,31 +99,31 @@ class Generator:
             rows = jnp.arange(tokens_bt.shape[0])[:, None]
 
             def layer(x, slot):
-                block, (k_cache, v_cache) = slot
+                block, caches = slot
                 written = []
 
-                def attend(q, k, v):
-                    kc = k_cache.at[rows, positions_bt].set(k.astype(k_cache.dtype))
-                    vc = v_cache.at[rows, positions_bt].set(v.astype(v_cache.dtype))
-                    written.append((kc, vc))
-                    return cached_attention(q, kc, vc, positions_bt)
+                def keep(new):  # the layer's next cache array, these positions written
+                    old = caches[len(written)]
+                    written.append(old.at[rows, positions_bt].set(new.astype(old.dtype)))
+                    return written[-1]
 
-                y = nnx.merge(block_def, block)(x, rope, Ops(attend))
-                return y, written[0]
+                def attend(q, k, v, scale=None):
+                    return cached_attention(q, k, v, positions_bt, scale)
+
+                y = nnx.merge(block_def, block)(x, rope, Ops(attend, cache=keep))
+                return y, tuple(written)
 
             x, cache = jax.lax.scan(layer, x, (nnx.state(model.blocks), cache))
-            return x, tuple(constrain(c, self.CACHE) for c in cache)
+            return x, tuple(constrain(c, axes) for c, (_, axes) in zip(cache, self.layout(1)))
 
     def empty_cache(self, batch: int):
-        """(k, v) caches [L, B, S, K, H] of zeros in the compute dtype, split by kv heads."""
+        """The cache (`layout`) of zeros in the compute dtype."""
         import jax
         import jax.numpy as jnp
 
-        m = self.plan.cfg.model
-        shape = (m.num_layers, batch, self.cache_len, m.num_kv_heads, m.dim_per_head)
-        zeros = jax.jit(lambda: jnp.zeros(shape, m.dtype), out_shardings=self.plan.sharding(
-            self.CACHE))  # created in place, never whole on one device
-        return zeros(), zeros()
+        dtype = self.plan.cfg.model.dtype
+        return tuple(jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.plan.sharding(
+            axes))() for shape, axes in self.layout(batch))  # in place, never whole on a device
 
     def _logits(self, params, x_b1d):
         from flax import nnx

@@ -32,7 +32,9 @@ class Samples:
         self.plan = Plan.resolve(serving, devices)
         abstract, shardings = canonical_state(self.plan)
         m, t = cfg.model, cfg.mesh.tensor
-        cache = (2 * m.num_layers * cfg.train.seq_len * m.num_kv_heads // t * m.dim_per_head
+        kept = (m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else  # MLA: its latent
+                m.num_kv_heads // t * (m.dim_per_head + m.value_dim))  # K and V
+        cache = (m.num_layers * cfg.train.seq_len * kept
                  * jax.numpy.dtype(m.dtype).itemsize)  # one row per device
         self.bytes = sum(a.size * a.dtype.itemsize
                          for a in jax.tree.leaves(abstract.params)) // t + cache

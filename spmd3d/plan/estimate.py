@@ -52,7 +52,7 @@ def flops(plan) -> dict:
     keys = (0.5 * t if plan.attention_local in ("cudnn", "pallas", "ring", "gather")
             else _keys_per_query(plan))
     matmul_fwd = 2 * m.num_layers * m.active_layer_params  # per token, one forward of the layers
-    attention_fwd = 4 * m.num_layers * m.num_heads * m.dim_per_head * keys
+    attention_fwd = 2 * m.num_layers * m.num_heads * (m.dim_per_head + m.value_dim) * keys
     redo = redone(plan)  # save_dots keeps the matmuls' results, not the scores
     redo_attention = redo + (1 if remat == "save_dots" else 0)
     # lockstep schedules: every stage computes at every tick; ZB-H1's idle slots compute nothing
@@ -151,7 +151,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # (`ulysses.traffic`)
     inlined = applies("one_trip_loops_inlined")
     if plan.attention == "ulysses":  # recomputed as attention is: save_dots keeps matmuls only
-        heads = m.num_heads / t * m.dim_per_head
+        heads = m.num_heads / t * (m.dim_per_head + m.value_dim) / 2  # q and the output
         again = fwd * (redone(plan) + (remat == "save_dots"))
         for what, kind, nbytes in ulysses.traffic(q, n * heads * c, n * w.kv * c,
                                                   fwd + restage, again, bwd,

@@ -41,11 +41,11 @@ def _inventory(m: ModelConfig, layers: int) -> tuple[dict, frozenset]:
     """({parameter key: (global shape, logical names)}, the keys of state the optimizer does
     not train) of the model with `layers` stored layer slots, read from the model's own
     abstract state (`model.abstract_model`: nothing allocated): its shapes, its logical
-    names, and `sharding.Untrained` by type (the router's state, FP8's)."""
+    names, and `untrained.Untrained` by type (the router's state, FP8's)."""
     from flax import nnx
 
     from ..model import abstract_model
-    from ..sharding import Untrained
+    from ..untrained import Untrained
     from ..store import flat
 
     order = tuple(range(m.num_layers)) + (-1,) * (layers - m.num_layers)  # -1: a padding slot
@@ -62,7 +62,7 @@ def param_shapes(m: ModelConfig, layers: int) -> dict:
 
 
 def untrained(m: ModelConfig, layers: int) -> frozenset:
-    """The keys of `param_shapes` that the optimizer does not train (`sharding.Untrained`:
+    """The keys of `param_shapes` that the optimizer does not train (`untrained.Untrained`:
     no moments)."""
     return _inventory(m, layers)[1]
 
@@ -171,12 +171,12 @@ class Widths:
     """One device's share of the attention's widths, in elements per token: what the
     collectives of the ring move."""
 
-    kv: float  # kv heads x head dim
+    kv: float  # kv heads x head dim (the mean of K's and V's: MLA's values are narrower)
 
     @classmethod
     def of(cls, plan) -> "Widths":
         m, t = plan.cfg.model, plan.degrees.tensor
-        return cls(kv=m.num_kv_heads / t * m.dim_per_head)
+        return cls(kv=m.num_kv_heads / t * (m.dim_per_head + m.value_dim) / 2)
 
 
 def _keys_per_query(plan) -> float:

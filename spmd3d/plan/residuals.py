@@ -175,9 +175,11 @@ def _stream_scopes() -> frozenset:
     """The named scopes whose values live in the residual stream under SP: the norms, and the
     row-parallel projections (their output is the model width: `PROJECTIONS` specs that end
     in `btd`)."""
+    from ..mla import LatentAttention
     from ..model import MLP, Attention
 
-    rows = {name for cls in (Attention, MLP) for name, (_, spec) in cls.PROJECTIONS.items()
+    rows = {name for cls in (Attention, LatentAttention, MLP)
+            for name, (_, spec) in cls.PROJECTIONS.items()
             if spec.endswith("->btd")}
     return frozenset({"norm", *rows})
 
