@@ -39,6 +39,11 @@ def validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
         need(m.dim_per_head % 2 == 0, "model.head_dim", "rotary embeddings need an even head dim")
     need(m.rope_scaling in ROPE_SCALINGS, "model.rope_scaling",
          f"must be one of {', '.join(ROPE_SCALINGS)}")
+    if m.rope_scaling == "yarn":
+        need(m.rope_factor > 0 and m.rope_original_max_len > 0, "model.rope_factor",
+             "rope_factor and rope_original_max_len must be positive")
+        need(m.rope_beta_fast > m.rope_beta_slow > 0, "model.rope_beta_fast",
+             "must be greater than model.rope_beta_slow, and both positive")
     if m.rope_scaling == "llama3":
         need(m.rope_factor > 0 and m.rope_original_max_len > 0, "model.rope_factor",
              "rope_factor and rope_original_max_len must be positive")

@@ -59,8 +59,19 @@ def _fields(hf: dict, refuse) -> dict:
                       rope_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    elif rope_kind == "yarn":
+        for name, ok in (("attention_factor", None), ("truncate", True)):
+            if rope.get(name, ok) != ok:
+                refuse(f"rope_scaling.{name}", f"{rope[name]!r} is not supported with yarn")
+        fields.update(rope_scaling="yarn", rope_factor=float(rope["factor"]),
+                      rope_original_max_len=int(rope["original_max_position_embeddings"]),
+                      rope_beta_fast=float(rope.get("beta_fast") or 32),
+                      rope_beta_slow=float(rope.get("beta_slow") or 1),
+                      rope_mscale=float(rope.get("mscale") or 0),
+                      rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
     elif rope_kind != "default":
-        refuse("rope_scaling", f"rope_type {rope_kind!r} is not supported (default or llama3)")
+        refuse("rope_scaling", f"rope_type {rope_kind!r} is not supported (default, llama3 "
+                               "or yarn)")
     if kind == "mixtral":
         if hf.get("router_jitter_noise"):
             refuse("router_jitter_noise", "router noise is not supported")
@@ -165,9 +176,13 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32"
         out["dtype"] = dtype
     out.setdefault("max_position_embeddings", cfg.rope_original_max_len)
     out["rope_scaling"] = None if cfg.rope_scaling == "none" else {
-        "rope_type": "llama3", "factor": cfg.rope_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_len}
+        "rope_type": cfg.rope_scaling, "factor": cfg.rope_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_len} | ({
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor} if cfg.rope_scaling == "llama3" else {
+            "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow} | {
+            k: v for k, v in (("mscale", cfg.rope_mscale),
+                              ("mscale_all_dim", cfg.rope_mscale_all_dim)) if v})
     return out
 
 

@@ -9,7 +9,8 @@ when 0), P the no-position part of a query/key head (`qk_nope_head_dim`), R the 
     keys      x . W_kvd -> c_kv [B, T, C] (normed) and k_r [B, T, R], one rotary key shared by
               every head;  c_kv . W_kvu -> k_p [B, T, N, P] and v [B, T, N, E]
     attention per head over [k_p, rope(k_r)] with queries [q_p, rope(q_r)], scaled by
-              (P + R)^-1/2, values of width E;  out . W_o
+              (P + R)^-1/2 (with YaRN, times m^2: `rope.yarn_mscale`), values of width E;
+              out . W_o
 
 Training runs it in that expanded form, through any attention kernel (blocked, the ring, the
 gather, Ulysses; cuDNN and Pallas with the values padded to P + R): K = N kv heads of one
@@ -38,7 +39,7 @@ from flax import nnx
 from .config import ModelConfig
 from .layers import RMSNorm, param, project, use
 from .ops import Ops
-from .rope import Positions, apply_rope
+from .rope import Positions, apply_rope, yarn_mscale
 from .sharding import constrain
 
 LATENT_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which both latent norms keep
@@ -54,6 +55,9 @@ class LatentAttention(nnx.Module):
         d, n, std, pd = cfg.d_model, cfg.num_heads, cfg.init_std, cfg.param_dtype
         self.dtype = cfg.dtype
         self.nope, self.rank = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        # DeepSeek's YaRN scales the scores by m(mscale_all_dim)^2 (`yarn_apply_mscale`)
+        m = yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+        self.gain = m * m if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim else 1.0
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         heads = ("heads", "head_dim")
         if cfg.q_lora_rank:
@@ -82,7 +86,7 @@ class LatentAttention(nnx.Module):
         c_kv = self.kv_norm(c_kv)
         q_p, q_r = jnp.split(q, [self.nope], axis=-1)
         q_r, k_r = apply_rope(q_r, pos.cos, pos.sin), apply_rope(k_r, pos.cos, pos.sin)
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 * self.gain
         if ops.cached:
             out = self._absorbed(q_p, q_r, c_kv, k_r, ops, scale)
         else:
@@ -91,7 +95,8 @@ class LatentAttention(nnx.Module):
             k = jnp.concatenate([k_p, jnp.broadcast_to(k_r[:, :, None], k_p.shape[:3] +
                                                        k_r.shape[-1:])], axis=-1)
             # K = N kv heads of one query head each: the kernels' GQA shapes
-            q = constrain(jnp.concatenate([q_p, q_r], axis=-1)[:, :, :, None],
+            q = jnp.concatenate([q_p, q_r], axis=-1)[:, :, :, None]
+            q = constrain(q if self.gain == 1 else q * jnp.asarray(self.gain, q.dtype),
                           ("batch", "length", "kv_heads", "q_per_kv", "head_dim"))
             k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
             v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))

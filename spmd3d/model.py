@@ -25,7 +25,7 @@ from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .layers import RMSNorm, param, project, rms_norm, use
 from .manual import per_device, psum, unroll, vary
-from .rope import Positions, apply_rope, rope_frequencies, rope_tables
+from .rope import Positions, apply_rope, rope_frequencies, rope_gain, rope_tables
 from .swiglu import swiglu
 from .ops import Ops
 from .vocab import backward_after, embed_lookup, head_logits, loss_chunks
@@ -221,7 +221,10 @@ class Transformer(nnx.Module):
         """The layers' `Positions`: cos/sin [1, T, H/2] for positions[T] (numpy: constant
         tables), or [B, T, H/2] for positions[B, T]; `segments`: packed documents' ids."""
         positions = positions_t[None] if positions_t.ndim == 1 else positions_t
-        return Positions(*rope_tables(positions, rope_frequencies(self.cfg)), segments)
+        gain = rope_gain(self.cfg)  # YaRN's attention factor
+        cos, sin = rope_tables(positions, rope_frequencies(self.cfg))
+        return Positions(cos * gain, sin * gain, segments) if gain != 1 else Positions(
+            cos, sin, segments)
 
     def layer(self, remat: str = "none", ops: Ops | None = None):
         """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer under the remat policy,

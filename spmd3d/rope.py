@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoPE), as transformers' LLaMA computes them, with LLaMA 3.1's
-rescaling."""
+rescaling or YaRN's (DeepSeek-V3's long context)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,40 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
         blend = (1 - smooth) * slow / cfg.rope_factor + smooth * slow
         medium = ~(wavelen < n / hi) & ~(wavelen > n / lo)
         freq = np.where(medium, blend, slow)
+    elif cfg.rope_scaling == "yarn":
+        freq = _yarn(cfg, freq)
     return freq.astype(np.float32)
+
+
+def _yarn(cfg: ModelConfig, freq: np.ndarray) -> np.ndarray:
+    """YaRN's frequencies (transformers' `_compute_yarn_parameters`): each the interpolated
+    (freq / factor) or kept one, blended by a ramp over the dims whose rotations within the
+    original context lie between beta_slow and beta_fast."""
+    r, base = cfg.rope_dim, np.float64(cfg.rope_theta)
+
+    def dim_of(rotations):  # the dim whose wavelength fits `rotations` times in the context
+        return r * np.log(cfg.rope_original_max_len / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low = max(np.floor(dim_of(cfg.rope_beta_fast)), 0)
+    high = min(np.ceil(dim_of(cfg.rope_beta_slow)), r - 1)
+    ramp = np.clip((np.arange(r // 2, dtype=np.float32) - low) / (high - low or 0.001), 0, 1)
+    keep = 1 - ramp
+    return (freq / cfg.rope_factor * (1 - keep) + freq * keep).astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's m(s) = 0.1 s ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * float(np.log(factor)) + 1.0
+
+
+def rope_gain(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return (yarn_mscale(cfg.rope_factor, cfg.rope_mscale)
+                / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim))
+    return yarn_mscale(cfg.rope_factor)
 
 
 def rope_tables(positions_bt, freq):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage", "offload", "offload_dots")
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "yarn")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 ATTENTION_KERNELS = ("auto", "blocked", "cudnn", "pallas")
 EXPERT_KERNELS = ("auto", "ragged", "tokamax", "mosaic")  # the experts' grouped matmul, grouped.py
@@ -63,11 +63,22 @@ class ModelConfig:
     rope_theta: float = doc(10000.0, "base of the rotary embedding frequencies")
     # LLaMA 3.1's long-context frequencies: the low ones divided by rope_factor, a smooth blend
     # between the two wavelength bounds (what transformers calls rope_type llama3)
-    rope_scaling: str = doc("none", "none, or llama3 (LLaMA 3.1 frequency scaling)")
-    rope_factor: float = doc(8.0, "llama3 scaling: the low frequencies are divided by this")
+    rope_scaling: str = doc("none", "none, llama3 (LLaMA 3.1 frequency scaling) or yarn "
+                                    "(YaRN, as DeepSeek-V3 extends its context)")
+    rope_factor: float = doc(8.0, "llama3 and yarn scaling: the low frequencies are divided "
+                                  "by this")
     rope_low_freq_factor: float = doc(1.0, "llama3 scaling: bound of the unscaled wavelengths")
     rope_high_freq_factor: float = doc(4.0, "llama3 scaling: bound of the scaled wavelengths")
-    rope_original_max_len: int = doc(8192, "llama3 scaling: the context it was pre-trained on")
+    rope_original_max_len: int = doc(8192, "llama3 and yarn scaling: the context it was "
+                                           "pre-trained on")
+    # YaRN (rope.py): frequencies blended between interpolated and kept by a linear ramp over
+    # the dims whose rotations in the original context fall between beta_slow and beta_fast
+    rope_beta_fast: float = doc(32.0, "yarn: rotations above which a frequency is kept")
+    rope_beta_slow: float = doc(1.0, "yarn: rotations below which a frequency is divided")
+    rope_mscale: float = doc(0.0, "yarn: cos/sin times m(mscale) / m(mscale_all_dim), m(s) = "
+                                  "0.1 s ln(factor) + 1 (0: m(1) alone)")
+    rope_mscale_all_dim: float = doc(0.0, "yarn: see rope_mscale; with MLA the scores are "
+                                          "also scaled by m(mscale_all_dim)^2 (DeepSeek)")
     norm_eps: float = doc(1e-5, "epsilon of RMSNorm")
     init_std: float = doc(0.02, "standard deviation of the initial weights")
     dtype: str = doc("auto", "compute dtype: auto (bfloat16 on a GPU, float32 elsewhere), "

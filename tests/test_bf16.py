@@ -75,8 +75,19 @@ MOE_LAYOUTS = {
 }
 
 
+# DeepSeek-V3's shape (MLA, the group-limited sigmoid router, a shared expert): experts split
+# 2 ways with tensor 2 + SP, the ring over seq 2 and ZeRO-3
+DEEPSEEK = MOE[:4] + ["model.router_score=sigmoid", "model.router_groups=4",
+                      "model.router_topk_groups=2", "model.router_scale=2.5",
+                      "model.router_bias_rate=0.01", "train.microbatches=2",
+                      "model.num_kv_heads=16", "model.kv_lora_rank=32", "model.q_lora_rank=48",
+                      "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+                      "model.v_head_dim=12"]
+DEEPSEEK_LAYOUTS = {"deepseek_ep2_tp2_sp_seq2_zero3": dict(data=2, tensor=2, seq=2, sp=True,
+                                                          zero=3, extra=["mesh.expert=2"])}
+
 GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3", "ulysses_dp2_tp2_seq2_sp",
-         "hsdp2x2_tp2_zero3_offload")  # every leaf's gradient at step 0
+         "hsdp2x2_tp2_zero3_offload", "deepseek_ep2_tp2_sp_seq2_zero3")  # every leaf at step 0
 
 
 def cfg(extra=(), **kw):
@@ -116,6 +127,14 @@ def test_bf16_matches_one_device(reference, name):
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_bf16_moe_matches_one_device(moe_reference, name):
     _check(moe_cfg(**MOE_LAYOUTS[name]), moe_reference, name in GRADS, 8 * U)
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_LAYOUTS))
+def test_bf16_deepseek_matches_one_device(name):
+    def deepseek(extra=(), **kw):
+        return cfg(extra=DEEPSEEK + list(extra), **kw)
+
+    _check(deepseek(**DEEPSEEK_LAYOUTS[name]), reference_run(deepseek()), name in GRADS, 8 * U)
 
 
 def _check(c, reference, grads_too, bound):

@@ -179,7 +179,7 @@ def _hf_dir(tmp_path, **changes):
 @pytest.mark.parametrize("case,blamed", [
     ("missing", "HF_DIR"), ("gpt2", "model_type"), ("sliding", "sliding_window"),
     ("bias", "attention_bias"),
-    ("yarn", "rope_scaling"), ("no_weights", "safetensors"), ("shape", "q_proj"),
+    ("longrope", "rope_scaling"), ("no_weights", "safetensors"), ("shape", "q_proj"),
     ("not_empty", "RUN_DIR"), ("bad_dtype", "--dtype")])
 def test_bad_input_is_one_line_and_exit_2(case, blamed, tmp_path, capsys):
     src, dst, extra = tmp_path / "hf", tmp_path / "run", []
@@ -189,8 +189,8 @@ def test_bad_input_is_one_line_and_exit_2(case, blamed, tmp_path, capsys):
         _hf_dir(src, model_type="mistral", sliding_window=4096)
     elif case == "bias":
         _hf_dir(src, attention_bias=True)
-    elif case == "yarn":
-        _hf_dir(src, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
+    elif case == "longrope":
+        _hf_dir(src, rope_scaling={"rope_type": "longrope", "factor": 4.0}, rope_parameters=None)
     elif case == "no_weights":
         _hf_dir(src)
         for f in src.glob("*.safetensors"):

@@ -28,13 +28,17 @@ from test_convert import TOKENS, assert_reloaded_equal, ours_logits, refused_imp
 HF = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=4, intermediate_size=96, kv_lora_rank=24, qk_nope_head_dim=16,
           qk_rope_head_dim=8, v_head_dim=12, rms_norm_eps=1e-6, max_position_embeddings=64)
+# DeepSeek-V3's long context: YaRN, its scores scaled by m(mscale_all_dim)^2 and here (mscale
+# != mscale_all_dim) its cos and sin too
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=1.0)
 HF_MODELS = {
     # DeepSeek-V3's shape: a query latent, every layer MoE (8 experts in 4 groups, the best 2
-    # groups, top 2), a shared expert, weights renormalized and scaled
+    # groups, top 2), a shared expert, weights renormalized and scaled; YaRN
     "deepseek_moe": dict(q_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
                          moe_intermediate_size=32, num_experts_per_tok=2, n_group=4,
                          topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                         first_k_dense_replace=0),
+                         first_k_dense_replace=0, rope_parameters=YARN),
     # DeepSeek-V2-Lite's attention: queries straight from the model width; dense layers
     "mla_dense": dict(q_lora_rank=None, first_k_dense_replace=2, n_routed_experts=8),
 }
@@ -67,6 +71,7 @@ def test_import_gives_transformers_logits(hf_models, name):
     _, hf_dir, ref = hf_models[name]
     cfg = run_config(hf_dir)
     assert cfg.model.is_mla and cfg.model.is_moe == (name == "deepseek_moe")
+    assert cfg.model.rope_scaling == ("yarn" if name == "deepseek_moe" else "none")
     ours = ours_logits(cfg, hf_dir=hf_dir)
     assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()
 
