@@ -70,6 +70,9 @@ def _mla(m) -> None:
 
 def _moe(m, mesh) -> None:
     need(m.num_experts >= 0, "model.num_experts", "must be >= 0 (0: a dense MLP)")
+    need(m.dense_layers == 0 or m.is_moe and 0 < m.dense_layers < m.num_layers,
+         "model.dense_layers", f"{m.dense_layers}: dense layers before the MoE ones need "
+         f"model.num_experts > 0 and fewer than model.num_layers = {m.num_layers}")
     need(mesh.expert > 0, "mesh.expert", "must be positive")
     if not m.is_moe:
         need(mesh.expert == 1, "mesh.expert", "expert parallelism needs model.num_experts > 0")

@@ -244,8 +244,9 @@ def validate(cfg: Config) -> None:
           or par.pipeline_schedule == "gpipe", "parallel.remat",
           f"{par.remat} needs parallel.pipeline_schedule=gpipe: {par.pipeline_schedule}'s "
           "stash buffers are in device memory")
-    _need(m.num_layers >= mesh.stage * par.pipeline_repeats, "model.num_layers",
-          f"{m.num_layers} is fewer than mesh.stage * parallel.pipeline_repeats = "
+    _need(m.stacked_layers >= mesh.stage * par.pipeline_repeats, "model.num_layers",
+          f"{m.stacked_layers} (without model.dense_layers) is fewer than mesh.stage * "
+          f"parallel.pipeline_repeats = "
           f"{mesh.stage * par.pipeline_repeats}: every chunk of the pipeline needs a layer")
     _need(par.pipeline_repeats == 1 or mesh.stage > 1, "parallel.pipeline_repeats",
           "circular repeats need a pipeline (mesh.stage > 1)")

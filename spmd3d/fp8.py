@@ -17,7 +17,7 @@ exactly, laid out like the layers.
 
 **How a step learns its amaxes.** Each projection's tensors are observed where they are
 quantized, forward (input, weight) and backward (output gradient), and the observation leaves
-as the gradient of a zero `probe`, as the MoE router's statistics do (`moe.balanced`). The
+as the gradient of a zero `probe`, as the MoE router's statistics do (`router.balanced`). The
 observation is a histogram: a one-hot over quarter-binade bins of the tensor's amax on this
 device. Whatever runs the layer -- the layer scan, a pipeline's ticks, accumulated
 microbatches, the data-parallel reduction, ZB-H1's separate weight pass -- adds the

@@ -30,7 +30,7 @@ Numpy only (no jax, no torch). The safetensors files are read and written a tens
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -50,13 +50,14 @@ class Weight:
     names: tuple[str, ...]
     to_ours: Callable  # (list of HF arrays, ModelConfig) -> our array
     to_hf: Callable  # (our array, ModelConfig) -> list of HF arrays, in `names`' order
+    first: int = 0  # a stacked weight: the HF layer of its row 0
 
     @property
     def stacked(self) -> bool:
-        return self.key.startswith("blocks/")
+        return self.key.startswith(("blocks/", "dense/"))
 
     def hf_names(self, layer: int | None = None) -> list[str]:
-        return [n.format(layer) for n in self.names]
+        return [n.format(None if layer is None else layer + self.first) for n in self.names]
 
 
 def _qkv_in(ts, cfg):
@@ -176,7 +177,7 @@ def _moe_weights(cfg: ModelConfig) -> tuple:
         Weight("blocks/mlp/bias", (_LAYER + f"{prefix}{router}.e_score_correction_bias",),
                _SAME, _SAME_OUT) if family(cfg) == "deepseek_v3" else
         Weight("blocks/mlp/bias", (), _zeros(e), _NONE),
-        Weight("blocks/mlp/probe", (), _zeros(e + 3), _NONE),  # moe.stats_size
+        Weight("blocks/mlp/probe", (), _zeros(e + 3), _NONE),  # router.stats_size
     ) + _shared(cfg, prefix)
 
 
@@ -207,15 +208,26 @@ def _fp8_weights(cfg: ModelConfig) -> tuple:
 
 
 def weights(cfg: ModelConfig) -> tuple:
-    """Every parameter's conversion for `cfg`'s model (its family: `family`)."""
-    out = [w for w in LLAMA if not (cfg.is_moe and w.key.startswith("blocks/mlp/"))
+    """Every parameter's conversion for `cfg`'s model (its family: `family`): the main
+    stack's layers from HF layer `dense_layers` on, the dense ones before it (`dense/`) from
+    layer 0."""
+    out = [w for w in LLAMA if not w.stacked] + [replace(w, first=cfg.dense_layers)
+                                                 for w in _layer_weights(cfg)]
+    if cfg.dense_layers:
+        out += [replace(w, key="dense/" + w.key[len("blocks/"):])
+                for w in _layer_weights(replace(cfg, num_experts=0))]
+    return tuple(out)
+
+
+def _layer_weights(cfg: ModelConfig) -> tuple:
+    """One layer's conversions, under `blocks/`."""
+    out = [w for w in LLAMA if w.stacked and not (cfg.is_moe and w.key.startswith("blocks/mlp/"))
            and not (cfg.is_mla and w.key.startswith("blocks/attn/"))]
     out += _mla_weights(cfg) if cfg.is_mla else ()
     if cfg.qk_norm:
         out += [Weight(f"blocks/attn/{n}", (_LAYER + f"self_attn.{n}.weight",), _SAME, _SAME_OUT)
                 for n in ("q_norm", "k_norm")]
-    return (tuple(out) + (_moe_weights(cfg) if cfg.is_moe else ())
-            + _fp8_weights(cfg))
+    return tuple(out) + (_moe_weights(cfg) if cfg.is_moe else ()) + _fp8_weights(cfg)
 
 
 # -------------------------------------------------------------------------- safetensors files

@@ -78,12 +78,15 @@ def _fields(hf: dict, refuse) -> dict:
         fields.update(num_experts=hf["num_local_experts"], d_ff_expert=hf["intermediate_size"],
                       router_renormalize=True)
     elif kind == "qwen3_moe":
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            refuse("mlp_only_layers", "dense layers among the MoE ones are not supported "
-                                      "(every layer's MLP is MoE)")
+        dense = sorted(hf.get("mlp_only_layers") or [])
+        if dense != list(range(len(dense))) or hf.get("decoder_sparse_step", 1) != 1:
+            refuse("mlp_only_layers", "dense layers are supported before the MoE ones only "
+                                      f"(layers 0..k-1, every later one MoE): {dense}, "
+                                      f"decoder_sparse_step {hf.get('decoder_sparse_step')}")
         # transformers 5 spells Qwen3-MoE's expert count as Mixtral's, 4 as `num_experts`
         experts = hf.get("num_local_experts") or hf["num_experts"]
-        fields.update(num_experts=experts, d_ff_expert=hf["moe_intermediate_size"],
+        fields.update(dense_layers=len(dense), num_experts=experts,
+                      d_ff_expert=hf["moe_intermediate_size"],
                       router_renormalize=bool(hf.get("norm_topk_prob", False)))
     elif kind == "deepseek_v3":
         fields.update(_deepseek_fields(hf, refuse))
@@ -98,14 +101,11 @@ def _deepseek_fields(hf: dict, refuse) -> dict:
     if not hf.get("rope_interleave", True):
         refuse("rope_interleave", "false is not supported (DeepSeek's checkpoints interleave)")
     layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace") or 0
-    if 0 < dense < layers:
-        refuse("first_k_dense_replace", "dense layers among the MoE ones are not supported "
-                                        "(0: every layer MoE)")
     out = dict(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0,
                qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                v_head_dim=hf["v_head_dim"], num_kv_heads=hf["num_attention_heads"], head_dim=0)
-    if dense == 0:
-        out.update(num_experts=hf["n_routed_experts"], d_ff_expert=hf["moe_intermediate_size"],
+    if dense < layers:  # the first `dense` layers dense, the rest MoE
+        out.update(dense_layers=dense, num_experts=hf["n_routed_experts"], d_ff_expert=hf["moe_intermediate_size"],
                    shared_experts=hf.get("n_shared_experts") or 0,
                    experts_per_token=hf["num_experts_per_tok"], router_score="sigmoid",
                    router_groups=hf.get("n_group") or 1,
@@ -166,7 +166,7 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32"
         out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.experts_per_token,
                    moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
-                   decoder_sparse_step=1, mlp_only_layers=[],
+                   decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)),
                    router_aux_loss_coef=cfg.router_aux_loss_coef)
     elif kind == "deepseek_v3":
         out.update(_deepseek_config(cfg))
@@ -187,11 +187,12 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32"
 
 
 def _deepseek_config(cfg: ModelConfig) -> dict:
-    """A `DeepseekV3Config`'s MLA and MoE fields for `cfg`: every layer MoE, or none."""
+    """A `DeepseekV3Config`'s MLA and MoE fields for `cfg`: the first `dense_layers` dense,
+    the rest MoE (or all dense)."""
     out = dict(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim, rope_interleave=True,
-               first_k_dense_replace=0 if cfg.is_moe else cfg.num_layers,
+               first_k_dense_replace=cfg.dense_layers if cfg.is_moe else cfg.num_layers,
                num_nextn_predict_layers=0)
     if cfg.is_moe:
         out.update(n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_width,

@@ -17,7 +17,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     """Parameters a token's matmuls use: every block weight (of an MoE layer, the router, the
     shared experts and the top-k it is sent to: FLOPs by active parameters, as Megatron and
     MaxText count MoE) and the output head."""
-    return cfg.num_layers * cfg.active_layer_params + cfg.d_model * cfg.vocab_size
+    return (cfg.stacked_layers * cfg.active_layer_params + cfg.dense_layers * cfg.dense_layer_params
+            + cfg.d_model * cfg.vocab_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal: float = 0.5) -> float:

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from . import fp8, mla, moe, offload
+from . import fp8, mla, moe, offload, router
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .layers import RMSNorm, param, project, rms_norm, use
@@ -138,18 +138,18 @@ class MoE(nnx.Module):
                                 cfg.init_std, cfg.param_dtype)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "expert_embed"), out_std,
                              cfg.param_dtype)
-        self.bias = moe.RouterState(jnp.zeros((e,), jnp.float32), axes=("routes",))
-        self.probe = moe.RouterState(jnp.zeros((moe.stats_size(e),), jnp.float32), axes=("routes",))
+        self.bias = router.RouterState(jnp.zeros((e,), jnp.float32), axes=("routes",))
+        self.probe = router.RouterState(jnp.zeros((router.stats_size(e),), jnp.float32), axes=("routes",))
         self.shared = (MLP(dataclasses.replace(cfg, d_ff=cfg.shared_experts * f), rngs)
                        if cfg.shared_experts else None)
 
     def __call__(self, x_btd, ops: Ops | None = None):
-        c, L = self.cfg, self.cfg.num_layers
+        c, L = self.cfg, self.cfg.stacked_layers  # the losses: a mean over the MoE layers
         with jax.named_scope("experts"):
             y = moe.experts_layer(
                 x_btd, use(self.router, jnp.float32), use(self.w_gate_up, self.dtype),
                 use(self.w_down, self.dtype), self.bias[...], self.probe[...],
-                routing=moe.Routing.of(c), kernel=c.expert_kernel,
+                routing=router.Routing.of(c), kernel=c.expert_kernel,
                 aux_weight=c.router_aux_loss_coef / L, z_weight=c.router_z_loss_coef / L,
                 capacity_factor=c.capacity_factor, weight_grad=c.expert_weight_grad)
         return y if self.shared is None else y + self.shared(x_btd)
@@ -197,16 +197,14 @@ class Transformer(nnx.Module):
                              "(Plan.resolve picks the compute dtype for the devices)")
         self.cfg = cfg
         order = None if layer_order is None else tuple(int(i) for i in layer_order)
-        self.layer_order = None if order == tuple(range(cfg.num_layers)) else order  # -1: pad
+        self.layer_order = None if order == tuple(range(cfg.stacked_layers)) else order  # -1: pad
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std, cfg.param_dtype)
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = _stack(cfg, cfg.stacked_layers, "layers", rngs)
+        # the dense layers before the stack (DeepSeek's first k): a stack of their own, whose
+        # leading dim (`dense`) no pipeline splits
+        self.dense = (_stack(dataclasses.replace(cfg, num_experts=0), cfg.dense_layers, "dense",
+                             rngs) if cfg.dense_layers else None)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
@@ -226,13 +224,14 @@ class Transformer(nnx.Module):
         return Positions(cos * gain, sin * gain, segments) if gain != 1 else Positions(
             cos, sin, segments)
 
-    def layer(self, remat: str = "none", ops: Ops | None = None):
-        """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer under the remat policy,
-        with `ops` (default: the blocked attention kernel); `on` (bool) false makes it a
-        padding slot that passes x through. Given `zeros` (an input per projection, shaped as
-        `ops.split`'s `tap_shapes` says) the ops are tapped: it returns (x, the projections'
-        inputs) and adds the zeros to the projections' outputs."""
-        graphdef = nnx.graphdef(self.blocks)
+    def layer(self, remat: str = "none", ops: Ops | None = None, stack=None):
+        """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer (of `stack`, default the
+        main one) under the remat policy, with `ops` (default: the blocked attention kernel);
+        `on` (bool) false makes it a padding slot that passes x through. Given `zeros` (an
+        input per projection, shaped as `ops.split`'s `tap_shapes` says) the ops are tapped:
+        it returns (x, the projections' inputs) and adds the zeros to the projections'
+        outputs."""
+        graphdef = nnx.graphdef(self.blocks if stack is None else stack)
         ops = ops or Ops(causal_attention)
 
         def apply(params, x, rope, on=None, zeros=None):
@@ -244,11 +243,13 @@ class Transformer(nnx.Module):
 
         return jax.checkpoint(apply, policy=remat_policy(remat), prevent_cse=False)
 
-    def layers(self, remat: str = "none", scan: bool = True, ops: Ops | None = None):
-        """`fn(stacked[c, ...], x, rope, active=None) -> x`: c stacked layers applied in their
-        stacked order, each under the remat policy, in a `lax.scan` (unrolled when `scan` is
-        false); `active[c]` (bool) marks real layers, a padding slot passes x through."""
-        one = self.layer(remat, ops)
+    def layers(self, remat: str = "none", scan: bool = True, ops: Ops | None = None,
+               stack=None):
+        """`fn(stacked[c, ...], x, rope, active=None) -> x`: c stacked layers (of `stack`,
+        default the main one) applied in their stacked order, each under the remat policy, in
+        a `lax.scan` (unrolled when `scan` is false); `active[c]` (bool) marks real layers, a
+        padding slot passes x through."""
+        one = self.layer(remat, ops, stack)
 
         def run(stacked, x, rope, active=None):
             def layer(x, slot):
@@ -259,6 +260,14 @@ class Transformer(nnx.Module):
                 return jax.lax.scan(layer, x, (stacked, active), unroll=unroll() or not scan)[0]
 
         return run
+
+    def dense_layers(self, remat: str = "none", scan: bool = True, ops: Ops | None = None):
+        """`fn(x, rope) -> x`: the dense layers before the main stack (`model.dense_layers`),
+        or x itself. They run where the embedding does: before a pipeline, on every stage."""
+        if self.dense is None:
+            return lambda x, rope: x
+        run = self.layers(remat, scan, ops, self.dense)
+        return lambda x, rope: run(nnx.state(self.dense), x, rope)
 
     def logits(self, x_btd):
         """x[B_data, T_res, D] -> logits[B_data, T, V_tensor] in fp32."""
@@ -344,7 +353,7 @@ class Transformer(nnx.Module):
         if self.layer_order is None:
             return stacked
         order = np.asarray(self.layer_order)
-        index = np.array([np.flatnonzero(order == c)[0] for c in range(self.cfg.num_layers)])
+        index = np.array([np.flatnonzero(order == c)[0] for c in range(self.cfg.stacked_layers)])
         return jax.tree.map(lambda a: jnp.take(a, index, axis=0), stacked)
 
     def __call__(self, tokens_bt, positions_t=None):
@@ -353,9 +362,20 @@ class Transformer(nnx.Module):
         default to 0..T-1."""
         if positions_t is None:
             positions_t = np.arange(tokens_bt.shape[1])
-        x = self.embed_tokens(tokens_bt)
-        x = self.layers()(self.canonical_blocks(), x, self.rope(positions_t))
+        rope = self.rope(positions_t)
+        x = self.dense_layers()(self.embed_tokens(tokens_bt), rope)
+        x = self.layers()(self.canonical_blocks(), x, rope)
         return self.logits(x)
+
+
+def _stack(cfg: ModelConfig, n: int, name: str, rngs: nnx.Rngs):
+    """n Blocks of `cfg` stacked on a leading dim of logical name `name`."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: name})
+    def make(rngs):
+        return Block(cfg, rngs)
+
+    return make(rngs)
 
 
 def abstract_model(cfg: ModelConfig, layer_order: tuple | None = None):

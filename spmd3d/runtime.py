@@ -160,5 +160,5 @@ def step_record(job: Job, step: int, metrics: dict, seconds: float) -> dict:
             "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "tokens_per_s": tps, "step_time_s": seconds,
             "mfu": mfu(tps, cfg.model, cfg.train.seq_len, job.peak_flops),
-            # MoE: the routing metrics (`moe.step_metrics`)
+            # MoE: the routing metrics (`router.step_metrics`)
             **{k: float(v) for k, v in metrics.items() if k.startswith("moe_")}}

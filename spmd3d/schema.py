@@ -65,20 +65,15 @@ class ModelConfig:
     # between the two wavelength bounds (what transformers calls rope_type llama3)
     rope_scaling: str = doc("none", "none, llama3 (LLaMA 3.1 frequency scaling) or yarn "
                                     "(YaRN, as DeepSeek-V3 extends its context)")
-    rope_factor: float = doc(8.0, "llama3 and yarn scaling: the low frequencies are divided "
-                                  "by this")
+    rope_factor: float = doc(8.0, "llama3, yarn: the low frequencies are divided by this")
     rope_low_freq_factor: float = doc(1.0, "llama3 scaling: bound of the unscaled wavelengths")
     rope_high_freq_factor: float = doc(4.0, "llama3 scaling: bound of the scaled wavelengths")
-    rope_original_max_len: int = doc(8192, "llama3 and yarn scaling: the context it was "
-                                           "pre-trained on")
-    # YaRN (rope.py): frequencies blended between interpolated and kept by a linear ramp over
-    # the dims whose rotations in the original context fall between beta_slow and beta_fast
+    rope_original_max_len: int = doc(8192, "llama3, yarn: the context it was pre-trained on")
     rope_beta_fast: float = doc(32.0, "yarn: rotations above which a frequency is kept")
     rope_beta_slow: float = doc(1.0, "yarn: rotations below which a frequency is divided")
-    rope_mscale: float = doc(0.0, "yarn: cos/sin times m(mscale) / m(mscale_all_dim), m(s) = "
-                                  "0.1 s ln(factor) + 1 (0: m(1) alone)")
-    rope_mscale_all_dim: float = doc(0.0, "yarn: see rope_mscale; with MLA the scores are "
-                                          "also scaled by m(mscale_all_dim)^2 (DeepSeek)")
+    rope_mscale: float = doc(0.0, "yarn: cos/sin times m(mscale)/m(mscale_all_dim) (0: m(1))")
+    rope_mscale_all_dim: float = doc(0.0, "yarn: m(s) = 0.1 s ln(factor) + 1; MLA's scores "
+                                          "times m(mscale_all_dim)^2 (DeepSeek)")
     norm_eps: float = doc(1e-5, "epsilon of RMSNorm")
     init_std: float = doc(0.02, "standard deviation of the initial weights")
     dtype: str = doc("auto", "compute dtype: auto (bfloat16 on a GPU, float32 elsewhere), "
@@ -88,8 +83,7 @@ class ModelConfig:
                                  "documents, else cudnn; blocked elsewhere), blocked (pure "
                                  "JAX), cudnn (cuDNN flash attention) or pallas (Pallas-Triton "
                                  "flash attention with document ids)")
-    attention_tile: int = doc(1024, "ring and gathered attention: the score tiles of a ring "
-                                    "step span at most this many queries and keys")
+    attention_tile: int = doc(1024, "the ring's score tiles span at most this many tokens")
     qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
     # multi-head latent attention (mla.py, DeepSeek-V2/V3): keys and values from one
     # compressed latent, a rotary key part shared by the heads; num_kv_heads = num_heads
@@ -113,6 +107,9 @@ class ModelConfig:
     # token sent to `experts_per_token` of them by a router, plus `shared_experts` every token
     # passes through
     num_experts: int = doc(0, "experts per MoE layer; 0: a dense MLP")
+    dense_layers: int = doc(0, "MoE: the first k layers have a dense MLP of width d_ff "
+                               "(DeepSeek-V3's first_k_dense_replace); a stack of their own that "
+                               "runs before the pipeline, on every stage")
     experts_per_token: int = doc(2, "MoE: experts each token is sent to (top-k)")
     d_ff_expert: int = doc(0, "MoE: hidden width of one expert; 0: d_ff")
     shared_experts: int = doc(0, "MoE: experts of width d_ff_expert every token passes through")
@@ -150,6 +147,12 @@ class ModelConfig:
     @property
     def expert_width(self) -> int:
         return self.d_ff_expert or self.d_ff
+
+    @property
+    def stacked_layers(self) -> int:
+        """The layers of the main stack ([L, ...], scanned and pipelined): all but the dense
+        ones before it."""
+        return self.num_layers - self.dense_layers
 
     @property
     def is_mla(self) -> bool:
@@ -203,6 +206,11 @@ class ModelConfig:
         mlp = 3 * d * f if not self.is_moe else \
             3 * d * self.expert_width * (self.num_experts + self.shared_experts) + d * self.num_experts
         return self.attention_params + mlp
+
+    @property
+    def dense_layer_params(self) -> int:
+        """`layer_params` of a dense layer before the stack (`dense_layers`)."""
+        return self.attention_params + 3 * self.d_model * self.d_ff
 
     @property
     def active_layer_params(self) -> int:

@@ -47,6 +47,8 @@ LOGICAL_NAMES = (
     # MLA (mla.py): a latent's width where it is made (never split), and as an up
     # projection's input dim (ZeRO's, as `embed` is for the rest)
     "latent", "latent_embed",
+    # the stack of dense layers before the main one (DeepSeek's first k): never split
+    "dense",
 )
 
 
@@ -134,6 +136,7 @@ def compute_rules(sequence_parallel: bool = False, expert: bool = False,
         ("fp8", None),
         ("latent", None),
         ("latent_embed", None),
+        ("dense", None),
     ))
 
 

@@ -1,7 +1,7 @@
 """The train state, its shardings, and the pure train step `(state, batch) -> (state, metrics)`.
 
-The step composes the model's parts with the plan's schedule: embed -> the layer stack (one
-`lax.scan`, or the pipeline over `stage`) -> head and loss. Layout of one step on the mesh
+The step differentiates the forward (`forward.py`: the model's parts composed with the plan's
+schedule) and updates the state. Layout of one step on the mesh
 (B global batch, m microbatches):
   batch tokens[B_data, T+1] -> m microbatches, scanned (or fed to the pipeline); gradients
   accumulated in fp32 under the gradient rules (ZeRO-2/3: sharded over data, so each
@@ -12,7 +12,6 @@ The step composes the model's parts with the plan's schedule: embed -> the layer
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import jax
@@ -22,15 +21,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, pipeline
-from . import ops as ops_lib
-from .manual import without
-from .ops import Ops
-from .pipeline import run as pipelined
+from . import pipeline
+from .forward import label_count, loss_sum, microbatches
 from .model import Transformer, abstract_model
 from .optim import lr_schedule, make_optimizer
 from .plan import Plan
-from .sharding import activation_rules, constrain, flat_axes, mesh_axes, shardings_for, use_param
+from .sharding import activation_rules, constrain, shardings_for
 from .untrained import advance_untrained, untrained_zeroed
 
 
@@ -91,174 +87,6 @@ def init_fn(plan: Plan, shardings: TrainState):
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     return jax.jit(init, out_shardings=shardings)
-
-
-# ---------------------------------------------------------------------------------------------
-# forward: the model's parts composed with the schedule
-
-def _layer_remat(policy: str) -> str:
-    """The per-layer remat policy: `stage` checkpoints whole stages and, while the backward
-    recomputes one, keeps each layer's input alone (each layer is then recomputed again for
-    its own backward): the least memory -- one stage input per tick, one layer's working set --
-    for two extra forward passes. Inside the recompute, keeping every layer's residuals instead
-    would hold a whole stage's attention scores at once (docs/choices.md has the figures)."""
-    return "full" if policy == "stage" else policy
-
-
-def microbatches(a, m: int):
-    """[B, ...] -> [m, B/m, ...]: microbatch j holds rows j, j+m, j+2m, ... so that each data
-    shard (a block of rows) keeps its own rows in every microbatch."""
-    return a.reshape((a.shape[0] // m, m) + a.shape[1:]).swapaxes(0, 1)
-
-
-def by_slot(micro, schedule: pipeline.Schedule, pad, collect: bool):
-    """[m, mb, ...] microbatches -> [n, p, mb, ...] as `schedule.feed()` (or `collect()`)
-    places them, `pad` in the empty places: a reshape, with the padding at the end (at the
-    front, and the slots reversed, for `collect`), so no data moves between devices."""
-    n, p = schedule.feed().shape
-    extra = jnp.full((n * p - micro.shape[0],) + micro.shape[1:], pad, micro.dtype)
-    a = jnp.concatenate([extra, micro] if collect else [micro, extra])
-    a = a.reshape((n, p) + micro.shape[1:])
-    return a[::-1] if collect else a
-
-
-def _gather_blocks(blocks):
-    """ZeRO-3 under a pipeline: each stage's layers gathered over data once per step, before
-    the schedule, and their gradients reduce-scattered back once, after it. Gathered per layer
-    inside the tick loop instead, a stage's weights would cross the data axis three times per
-    tick (forward, recompute, backward), a hundred times the bytes at LLaMA-3 405B's preset
-    (docs/choices.md). The price: the stage's weights and their gradient accumulator, unsharded
-    over data, for the step. Both stay in the parameter dtype:
-    the layers cast per tick, so gradients accumulate over the microbatches in fp32, as with
-    ZeRO-0 to 2. `parallel.zero3_gather=tick` keeps the per-layer gathers instead."""
-    def gather(v):
-        names = v.get_metadata("axes")
-        return jax.tree.map(lambda a: use_param(a, names, a.dtype), v)
-
-    return jax.tree.map(gather, blocks, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, segments=None):
-    """Summed loss through the pipeline. The microbatches are laid out over the stages
-    ([p, mb, n, T] by `Schedule.feed` and `collect`), so the embedding before the pipeline
-    and the head and loss after it run on the whole mesh, each stage taking its share of the
-    microbatches: once per microbatch, not once per tick on every stage, and the embedding
-    is the plain sharded lookup. In the pipeline, besides `stage`, the data axis (gradients
-    are then reduced once, not per tick; under ZeRO-3 once the layers are gathered, see
-    `_gather_blocks`, else it stays automatic) and the ring axis go manual; inside, the rules
-    drop those axes and attention runs the per-device ring (a nested shard_map would mix the
-    two levels' manual axes)."""
-    rules, par, schedule = plan.rules, plan.cfg.parallel, plan.schedule
-    blocks, batch_axis, seq_axis = params["blocks"], None, None
-    once = rules.params_over_batch and par.zero3_gather == "step"
-    if once:
-        blocks = _gather_blocks(blocks)
-    if once or not rules.params_over_batch:
-        # (the experts' axis is one of the batch's, expert parallelism: `experts` whole inside)
-        batch_axis = rules.compute["batch"]
-    if plan.attention in attention.SPLIT:
-        seq_axis = rules.compute["length"]
-    inner = without(rules.compute, flat_axes(batch_axis, seq_axis))
-    ops = Ops(attention.select(plan.attention, seq_axis, plan.mesh, manual=True,
-                               tile=plan.cfg.model.attention_tile, local=plan.attention_local))
-    model = nnx.merge(graphdef, params)
-    stage = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
-    axis, (p, m) = rules.compute["layers"], (schedule.stages, schedule.microbatches)
-    data = rules.compute["batch"]
-    # outside the pipeline, rows of a slot [p * mb] split over stage and data together
-    outer = rules.compute.with_(batch=(axis, *mesh_axes(data)))
-
-    def slots(a, pad, collect):  # [B, T] -> [p, mb, n, T], the stages' slots (tokens: small)
-        a = jnp.moveaxis(by_slot(microbatches(a, m), schedule, pad, collect), 0, 2)
-        spec = P(axis, data, None, rules.compute["length"])
-        return jax.lax.with_sharding_constraint(a, NamedSharding(plan.mesh, spec))
-
-    def rows(a):  # [p, mb, n, T, ...] <-> [p * mb * n, T, ...]: rows over (stage, data), no copy
-        return a.reshape((-1,) + a.shape[3:])
-
-    def unrows(a, n):
-        return a.reshape((p, -1, n) + a.shape[1:])
-
-    tokens, rope = slots(inputs, 0, collect=False), model.rope(positions)
-    # packed documents: each microbatch's ids, on every stage ([m, mb, T], as the labels)
-    per_mb = NamedSharding(plan.mesh, P(None, data, rules.compute["length"]))
-    segments = None if segments is None else jax.lax.with_sharding_constraint(
-        microbatches(segments, m), per_mb)
-    with activation_rules(outer, plan.mesh, rules.grads):
-        x = unrows(model.embed_tokens(rows(tokens)), tokens.shape[2])
-    # inside the pipeline's shard_map, constraints resolve against its context mesh
-    grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
-    where = dict(active=plan.active, batch_axis=batch_axis, seq_axis=seq_axis,
-                 stage_remat=par.remat == "stage", segments=segments)
-
-    def gpipe_loss(blocks, head, x):  # the GPipe forward, then the head and loss on every stage
-        with activation_rules(inner, None, grads):
-            x = pipelined.forward(blocks, x, rope, replace(schedule, kind="gpipe").table(), axis,
-                                  plan.mesh, stage=stage, **where)
-        with activation_rules(outer, plan.mesh, rules.grads):
-            y, labels_out = rows(x), rows(slots(labels, -1, collect=True))
-            return model.loss_with(head, y, labels_out, par.loss_chunk)[0]
-
-    if not schedule.head_inside:
-        return gpipe_loss(blocks, model.head_weights(), x)
-    # 1F1B and ZB-H1: the head runs on the last stage inside the schedule, which needs every
-    # label there
-    labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), per_mb)
-    # ZB-H1 splits each layer's backward with the ops tapped
-    split = ops_lib.split(model, ops)
-    with activation_rules(inner, None, grads):
-        return pipelined.loss_and_grads(
-            blocks, model.head_weights(), x, labels_mb, rope, schedule.table(), axis, plan.mesh,
-            layer=model.layer(_layer_remat(par.remat), ops), scan=par.scan_layers,
-            forward=gpipe_loss, split=split, **where,
-            loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
-
-
-def labelled(tokens_bt1, eot: int | None):
-    """(inputs[B, T], labels[B, T], segments[B, T] or None) of a [B, T+1] token block. A token
-    stored as -(id + 1) is not trained on as a label (chat data: the prompts'); with packed
-    documents ending in `eot`, each input position's document within the window (a document
-    holds its end-of-text token), and the label after an end of text (the next document's
-    first token, which nothing in the document predicts) is not trained on either, so each
-    document trains as it would alone. A label not trained on is -1."""
-    ids = jnp.where(tokens_bt1 < 0, -tokens_bt1 - 1, tokens_bt1)
-    inputs, labels = ids[:, :-1], jnp.where(tokens_bt1[:, 1:] < 0, -1, ids[:, 1:])
-    if eot is None:
-        return inputs, labels, None
-    ends = (inputs == eot).astype(jnp.int32)
-    return inputs, jnp.where(ends > 0, -1, labels), jnp.cumsum(ends, axis=1) - ends
-
-
-def label_count(plan: Plan, tokens_bt1):
-    """How many labels a [B, T+1] token block trains on (`labelled`): a number known when
-    compiling without packed documents (no sum over the batch's devices, nothing scaled by a
-    value computed in the step)."""
-    if plan.eot is None:
-        return tokens_bt1.shape[0] * (tokens_bt1.shape[1] - 1)
-    return jnp.sum(labelled(tokens_bt1, plan.eot)[1] >= 0)
-
-
-def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
-    """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
-    inputs, labels, segments = labelled(tokens_bt1, plan.eot)
-    positions = np.arange(inputs.shape[1])
-    if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
-        positions = np.asarray(plan.seq_order)
-        inputs, labels = inputs[:, positions], labels[:, positions]
-        segments = None if segments is None else segments[:, positions]
-    if plan.pipelined:
-        return _pipelined_loss(plan, graphdef, params, inputs, labels, positions,
-                               segments), labels.size
-    # storage order is canonical without a pipeline
-    model, par = nnx.merge(graphdef, params), plan.cfg.parallel
-    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh,
-                               tile=plan.cfg.model.attention_tile, local=plan.attention_local))
-    run = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
-    if par.remat == "stage":  # the whole stack is the one stage: keep only its input
-        run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
-                             prevent_cse=False)
-    x = run(nnx.state(model.blocks), model.embed_tokens(inputs), model.rope(positions, segments))
-    return model.loss(x, labels, par.loss_chunk)
 
 
 def make_grad_fn(plan: Plan, graphdef, mean: bool = True):

@@ -1,5 +1,5 @@
 """State kept with the parameters that the optimizer does not train (`Untrained`): the MoE
-router's selection bias and statistics (`moe.RouterState`), FP8's amax histories (`fp8.py`).
+router's selection bias and statistics (`router.RouterState`), FP8's amax histories (`fp8.py`).
 Each kind advances itself by its type's rule from what the step observed, so the step has no
 branch per feature (`advance_untrained`)."""
 
@@ -16,7 +16,7 @@ class Untrained(Param):
     """State kept with the parameters (sharded, stacked and checkpointed like them) that the
     step updates by its own rule, not the optimizer: no moments, no weight decay, and its
     gradient, a statistic, counts neither in the gradient norm nor in clipping. The MoE
-    router's bias and statistics probe (`moe.RouterState`), FP8's amax histories and probes
+    router's bias and statistics probe (`router.RouterState`), FP8's amax histories and probes
     (`fp8.Fp8State`).
 
     It comes in groups, one module's: a zero `probe`, whose gradient is what the step observed

@@ -68,8 +68,8 @@ FAST = (
     "test_offload.py::test_offloading_matches_one_device[offload_dp2_tp4_sp_zero3]",
     "test_offload.py::test_a_gpu_program_copies_to_the_host_and_back",
     "test_hsdp.py::test_collectives_run_per_group",
-    "test_mla.py::test_import_onto_tensor_and_experts_gives_one_device_logits",
-    "test_mla.py::test_mla_with_deepseek_routing_matches_one_device[ds_ep2_zb_h1_tp2_sp]",
+    "test_deepseek.py::test_import_onto_tensor_and_experts_gives_one_device_logits",
+    "test_deepseek.py::test_mla_with_deepseek_routing_matches_one_device[ds_ep2_zb_h1_tp2_sp]",
     # the planner against the compiled step
     "test_estimate.py::test_analytic_memory_is_the_compiled_within_5_percent[tensor 2 SP, seq 2, zero3, save_dots]",
     "test_planner_property.py",

@@ -14,7 +14,7 @@ from helpers import bpe_dir, job_for, small_config, start_state
 from spmd3d import data, tokenizer
 from spmd3d.data import __main__ as prepare_cmd
 from spmd3d.data import chat
-from spmd3d.step import labelled, loss_sum
+from spmd3d.forward import labelled, loss_sum
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}"
             "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -1,6 +1,7 @@
 """Hugging Face MoE and Qwen3 interop against transformers itself: tiny random
-MixtralForCausalLM (top-2), Qwen3MoeForCausalLM (top-4, weights not renormalized) and
-Qwen3ForCausalLM (q/k norms), all GQA, imported: logits equal transformers' in float32, on one
+MixtralForCausalLM (top-2), Qwen3MoeForCausalLM (top-4, weights not renormalized; and with
+a dense layer before the MoE ones, `mlp_only_layers`) and Qwen3ForCausalLM (q/k norms), all
+GQA, imported: logits equal transformers' in float32, on one
 device and on an expert-parallel mesh; exported: reloaded by transformers with every tensor
 equal."""
 
@@ -27,6 +28,10 @@ MODELS = {
                   dict(intermediate_size=64, moe_intermediate_size=32, num_experts=8,
                        num_experts_per_tok=4, norm_topk_prob=False)),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(intermediate_size=64)),
+    # a dense layer (of intermediate_size) before the MoE ones
+    "qwen3_moe_dense": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        dict(intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                             num_experts_per_tok=4, num_hidden_layers=3, mlp_only_layers=[0])),
 }
 
 
@@ -36,7 +41,7 @@ def models(tmp_path_factory):
     out = {}
     for seed, (name, (cls, cfg_cls, fields)) in enumerate(MODELS.items()):
         torch.manual_seed(10 + seed)
-        model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**COMMON, **fields))
+        model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**(COMMON | fields)))
         model = model.float().eval()
         with torch.no_grad():  # norms away from 1, so that a mixed-up norm weight shows
             for p_name, p in model.named_parameters():
@@ -93,7 +98,7 @@ def test_bad_moe_input_is_one_line_and_exit_2(models, case, blamed, tmp_path, ca
     elif case == "expert_split":
         extra += ["mesh.data=3", "mesh.expert=3"]
     elif case == "dense_layers":
-        change["mlp_only_layers"] = [0]
+        change["mlp_only_layers"] = [1]  # after an MoE layer
     elif case == "capacity":  # 0 is dropless; below it nothing could be kept
         extra += ["model.capacity_factor=-1"]
     assert blamed in refused_import(models["qwen3_moe"][1], tmp_path, capsys, change, extra)

@@ -12,7 +12,8 @@ import pytest
 from helpers import by_layout, bpe_dir, job_for, small_config, start_state
 from spmd3d import config
 from spmd3d.plan import Plan
-from spmd3d.step import labelled, loss_sum, make_grad_fn
+from spmd3d.forward import labelled, loss_sum
+from spmd3d.step import make_grad_fn
 from spmd3d.store import flat
 
 EOT = 3

@@ -38,7 +38,8 @@ from helpers import (SMALL, by_layout, devices_for, job_for, max_rel_diff, small
 from spmd3d import config, fp8, hlo
 from spmd3d.checkpoint import load
 from spmd3d.plan import Plan
-from spmd3d.step import microbatches, reorder
+from spmd3d.forward import microbatches
+from spmd3d.step import reorder
 from spmd3d.store import flat
 
 FP8 = ["model.fp8=delayed", "model.fp8_emulate=true", "model.fp8_history=16"]

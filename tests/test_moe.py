@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from spmd3d import config, footprint, grouped, moe
+from spmd3d import router as routing_lib
 from spmd3d.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +45,12 @@ def test_routing_is_transformers(kind, norm):
     x = np.random.default_rng(1).normal(size=(T, D)).astype(np.float32)
     with torch.no_grad():
         logits, scores, indices = router(torch.from_numpy(x))
-    weights, experts = moe.route(jnp.asarray(logits.numpy()), moe.Routing(K, norm))
+    weights, experts = routing_lib.route(jnp.asarray(logits.numpy()), routing_lib.Routing(K, norm))
     np.testing.assert_array_equal(np.asarray(experts), indices.numpy())
     np.testing.assert_allclose(np.asarray(weights), scores.float().numpy(), rtol=1e-6)
     assert np.allclose(np.asarray(weights).sum(-1), 1.0) == norm
     # the Switch load-balancing loss as transformers computes it (before router_aux_loss_coef)
-    ours = moe.load_balancing_loss(jnp.asarray(logits.numpy()), experts)
+    ours = routing_lib.load_balancing_loss(jnp.asarray(logits.numpy()), experts)
     theirs = modeling_mixtral.load_balancing_loss_func((logits,), E, K)
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
 
@@ -76,8 +77,8 @@ def test_deepseek_v3_routing_is_transformers(groups, topk_groups, norm, scale):
         router.e_score_correction_bias.copy_(torch.from_numpy(bias))
         x = rng.normal(size=(T, D)).astype(np.float32)
         logits, theirs, indices = router(torch.from_numpy(x))
-    routing = moe.Routing(k, norm, "sigmoid", groups, topk_groups, scale)
-    weights, experts = moe.route(jnp.asarray(logits.numpy()), routing, jnp.asarray(bias))
+    routing = routing_lib.Routing(k, norm, "sigmoid", groups, topk_groups, scale)
+    weights, experts = routing_lib.route(jnp.asarray(logits.numpy()), routing, jnp.asarray(bias))
     # the same experts (transformers' top-k is unsorted) with the same weights each
     order = np.argsort(indices.numpy(), axis=-1)
     ours = np.argsort(np.asarray(experts), axis=-1)
@@ -94,12 +95,12 @@ def test_bias_moves_the_choice_not_the_weights():
     """DeepSeek-V3's balancing bias: added for selection only."""
     logits = jnp.asarray(np.random.default_rng(2).normal(size=(T, E)).astype(np.float32))
     bias = jnp.zeros((E,)).at[3].set(10.0)  # expert 3 chosen by every token
-    weights, experts = moe.route(logits, moe.Routing(K, False), bias_e=bias)
+    weights, experts = routing_lib.route(logits, routing_lib.Routing(K, False), bias_e=bias)
     assert (np.asarray(experts)[:, 0] == 3).all()
     probs = np.array(jnp.exp(logits - jnp.max(logits, -1, keepdims=True)))
     probs /= probs.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(weights)[:, 0], probs[:, 3], rtol=1e-6)
-    assert float(moe.imbalance(moe.expert_load(experts, E))) == pytest.approx(E / K)  # 3 takes T of the 2T
+    assert float(routing_lib.imbalance(routing_lib.expert_load(experts, E))) == pytest.approx(E / K)  # 3 takes T of the 2T
 
 
 def test_balancing_terms_at_their_bounds():
@@ -107,12 +108,12 @@ def test_balancing_terms_at_their_bounds():
     with all the probability: loss E; the z-loss of logits all c is (c + log E)^2."""
     even = jnp.zeros((E, E))
     experts = jnp.stack([jnp.arange(E), (jnp.arange(E) + 1) % E], axis=1)
-    assert float(moe.load_balancing_loss(even, experts)) == pytest.approx(K)
-    assert float(moe.imbalance(moe.expert_load(experts, E))) == pytest.approx(1.0)
+    assert float(routing_lib.load_balancing_loss(even, experts)) == pytest.approx(K)
+    assert float(routing_lib.imbalance(routing_lib.expert_load(experts, E))) == pytest.approx(1.0)
     skewed = jnp.zeros((T, E)).at[:, 0].set(1e4).at[:, 1].set(5e3)
-    _, chosen = moe.route(skewed, moe.Routing(K))
-    assert float(moe.load_balancing_loss(skewed, chosen)) == pytest.approx(E, rel=1e-4)
-    assert float(moe.z_loss(jnp.full((T, E), 2.0))) == pytest.approx((2.0 + np.log(E)) ** 2)
+    _, chosen = routing_lib.route(skewed, routing_lib.Routing(K))
+    assert float(routing_lib.load_balancing_loss(skewed, chosen)) == pytest.approx(E, rel=1e-4)
+    assert float(routing_lib.z_loss(jnp.full((T, E), 2.0))) == pytest.approx((2.0 + np.log(E)) ** 2)
 
 
 # --------------------------------------------------------------------------- the layer's pieces
@@ -122,8 +123,8 @@ def _experts(seed: int, n: int = 12, d: int = 8, f: int = 6):
     x = jnp.asarray(rng.normal(size=(n, d)).astype(np.float32))
     gate_up = jnp.asarray(rng.normal(size=(E, d, 2, f)).astype(np.float32))
     down = jnp.asarray(rng.normal(size=(E, f, d)).astype(np.float32))
-    weights, experts = moe.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)),
-                                 moe.Routing(K))
+    weights, experts = routing_lib.route(jnp.asarray(rng.normal(size=(n, E)).astype(np.float32)),
+                                 routing_lib.Routing(K))
     return n, d, x, gate_up, down, weights, experts
 
 
@@ -173,12 +174,45 @@ def test_capacity_buffers_equal_dropless_with_room_and_drop_second_choices_first
     assert ((np.asarray(slot) >= 0) == (np.asarray(experts) >= E // 2)).all()
 
 
+def test_exchanged_capacity_buffers_drop_per_device_as_capacity_ffn_would():
+    """The experts split over 4 devices, tokens moved by two all-to-alls: each device's
+    output is `capacity_ffn` of its own tokens with every expert local and the same `cap`
+    (an expert takes at most cap of each device's assignments), drops included."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    ep, n = 4, 12
+    parts = [_experts(20 + i, n) for i in range(ep)]
+    gate_up, down = parts[0][3], parts[0][4]  # the same experts on every device's copy
+    x, weights, experts = (jnp.concatenate([p[i] for p in parts]) for i in (2, 5, 6))
+    cap = 2  # below the busiest expert's share: some assignments drop
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+
+    def local(x, gate_up, down, weights, experts):
+        slot, dropped = moe.slots(experts, 0, E, cap)
+        y = moe.exchanged_ffn(x, gate_up, down, weights, slot, cap, "expert", ep)
+        return y, jax.lax.psum(dropped, "expert")
+
+    split = P("expert")
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(split,) * 5, out_specs=(split, P())))
+    args = [jax.device_put(a, NamedSharding(mesh, split))
+            for a in (x, gate_up, down, weights, experts)]
+    got, dropped = run(*args)
+    want, want_dropped = [], 0.0
+    for p in parts:
+        slot, d = moe.slots(p[6], 0, E, cap)
+        want.append(moe.capacity_ffn(p[2], gate_up, down, p[5], slot, cap))
+        want_dropped += float(d)
+    assert want_dropped > 0 and float(dropped) == want_dropped
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jnp.concatenate(want)), rtol=1e-5,
+                               atol=1e-5)
+
+
 def _hand_objective(logits, experts, aux_weight, z_weight):
     """What `balanced` adds to the loss, written out for one microbatch on one device: aux
     weight x T x the balancing loss (the assignment shares held constant) + z weight x the
     tokens' summed squared log-sum-exp."""
     t, e = logits.shape
-    share = moe.expert_load(experts, e) / t
+    share = routing_lib.expert_load(experts, e) / t
     probs = jax.nn.softmax(logits, axis=-1)
     aux = e * jnp.sum(share * jnp.mean(probs, axis=0))
     return aux_weight * t * aux + z_weight * jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
@@ -188,35 +222,35 @@ def test_balancing_gradients_and_statistics_are_the_hand_computation():
     rng = np.random.default_rng(4)
     logits = jnp.asarray(rng.normal(size=(T, E)).astype(np.float32))
     cotangent = jnp.asarray(rng.normal(size=(T, E)).astype(np.float32))
-    experts = moe.choose(logits, moe.Routing(K))
-    how, probe = (0.01, 0.001, ()), jnp.zeros((moe.stats_size(E),))
+    experts = routing_lib.choose(logits, routing_lib.Routing(K))
+    how, probe = (0.01, 0.001, ()), jnp.zeros((routing_lib.stats_size(E),))
     g_logits, g_probe = jax.grad(lambda l, p: jnp.sum(
-        moe.balanced(l, p, experts, 0.0, how) * cotangent), (0, 1))(logits, probe)
+        routing_lib.balanced(l, p, experts, 0.0, how) * cotangent), (0, 1))(logits, probe)
     want = cotangent + jax.grad(_hand_objective)(logits, experts, 0.01, 0.001)
     np.testing.assert_allclose(np.asarray(g_logits), np.asarray(want), rtol=1e-5, atol=1e-7)
-    load = np.asarray(moe.expert_load(experts, E))
+    load = np.asarray(routing_lib.expert_load(experts, E))
     lse = np.asarray(jax.nn.logsumexp(logits, axis=-1))
-    aux = float(moe.load_balancing_loss(logits, experts))  # transformers' (test above)
+    aux = float(routing_lib.load_balancing_loss(logits, experts))  # transformers' (test above)
     np.testing.assert_allclose(np.asarray(g_probe),
                                [*load, aux * T, float(np.sum(lse ** 2)), 0.0], rtol=1e-5)
     # a zero cotangent (a lockstep pipeline's bubble) gives zero, as a linear backward does
     g_logits, g_probe = jax.grad(lambda l, p: jnp.sum(
-        moe.balanced(l, p, experts, 0.0, how) * 0.0), (0, 1))(logits, probe)
+        routing_lib.balanced(l, p, experts, 0.0, how) * 0.0), (0, 1))(logits, probe)
     assert not np.any(np.asarray(g_logits)) and not np.any(np.asarray(g_probe))
 
 
 def test_bias_rule_and_step_metrics_by_hand():
     loads = np.array([[4.0, 1.0, 2.0, 1.0], [2.0, 2.0, 2.0, 2.0]], np.float32) / 4  # per token
     stats = np.concatenate([loads, [[2.5, 7.0, 0.0], [1.5, 5.0, 0.0]]], axis=1)
-    bias = moe.update_bias(jnp.zeros((2, 4)), jnp.asarray(stats), 0.01)
+    bias = routing_lib.update_bias(jnp.zeros((2, 4)), jnp.asarray(stats), 0.01)
     np.testing.assert_allclose(np.asarray(bias), [[-0.01, 0.01, 0.0, 0.01], [0, 0, 0, 0]])
-    m = moe.step_metrics(jnp.asarray(stats))
+    m = routing_lib.step_metrics(jnp.asarray(stats))
     assert float(m["moe_aux_loss"]) == pytest.approx(2.0)
     assert float(m["moe_z_loss"]) == pytest.approx(6.0)
     assert float(m["moe_imbalance"]) == pytest.approx(2.0)  # layer 0: 1.0 over a mean of 0.5
     assert float(m["moe_dropped"]) == 0.0
     # padding layers (uneven stages) are left out
-    m = moe.step_metrics(jnp.asarray(stats), active=(False, True))
+    m = routing_lib.step_metrics(jnp.asarray(stats), active=(False, True))
     assert float(m["moe_imbalance"]) == pytest.approx(1.0)
 
 

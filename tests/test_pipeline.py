@@ -116,7 +116,7 @@ def test_microbatches_laid_out_over_the_stages_as_the_belt_needs(p, m):
     """The step's reshape places microbatch i where the schedule's tables say: the input on
     stage i mod p (stage 0 finds it on the belt at tick i), the output where the belt from
     the last stage stops, each microbatch once."""
-    from spmd3d.step import by_slot
+    from spmd3d.forward import by_slot
 
     schedule = Schedule(p, m)
     micro = np.arange(m, dtype=np.int32)

@@ -12,7 +12,7 @@ conversation up to it (with the generation prompt) and the conversation through 
 end-of-turn token is trained on too; a token is trained on (as a label) when it starts inside
 an assistant turn. Windows (`pack`) hold whole examples, each followed by the end-of-text
 token that separates documents; a token not to be trained on is stored as -(id + 1), so a
-window stays one int32 row (`step.labelled` reads it back), and the rest of a window is
+window stays one int32 row (`forward.labelled` reads it back), and the rest of a window is
 end-of-text tokens that are not trained on.
 """
 

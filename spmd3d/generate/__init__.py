@@ -95,25 +95,35 @@ class Generator:
             model = nnx.merge(self.graphdef, params)
             x = model.embed_tokens(tokens_bt)
             rope = model.rope(positions_bt)
-            block_def = nnx.graphdef(model.blocks)
             rows = jnp.arange(tokens_bt.shape[0])[:, None]
 
-            def layer(x, slot):
-                block, caches = slot
-                written = []
+            def attend(q, k, v, scale=None):
+                return cached_attention(q, k, v, positions_bt, scale)
 
-                def keep(new):  # the layer's next cache array, these positions written
-                    old = caches[len(written)]
-                    written.append(old.at[rows, positions_bt].set(new.astype(old.dtype)))
-                    return written[-1]
+            def run(x, stack, caches):  # a stack's layers, each with its rows of the cache
+                block_def = nnx.graphdef(stack)
 
-                def attend(q, k, v, scale=None):
-                    return cached_attention(q, k, v, positions_bt, scale)
+                def layer(x, slot):
+                    block, caches = slot
+                    written = []
 
-                y = nnx.merge(block_def, block)(x, rope, Ops(attend, cache=keep))
-                return y, tuple(written)
+                    def keep(new):  # the layer's next cache array, these positions written
+                        old = caches[len(written)]
+                        written.append(old.at[rows, positions_bt].set(new.astype(old.dtype)))
+                        return written[-1]
 
-            x, cache = jax.lax.scan(layer, x, (nnx.state(model.blocks), cache))
+                    y = nnx.merge(block_def, block)(x, rope, Ops(attend, cache=keep))
+                    return y, tuple(written)
+
+                return jax.lax.scan(layer, x, (nnx.state(stack), caches))
+
+            # the dense layers before the main stack (if any) take the cache's first rows
+            k, parts = self.plan.cfg.model.dense_layers, []
+            if model.dense is not None:
+                x, written = run(x, model.dense, [c[:k] for c in cache])
+                parts.append(written)
+            x, written = run(x, model.blocks, [c[k:] for c in cache])
+            cache = [jnp.concatenate(p) for p in zip(*parts, written)]
             return x, tuple(constrain(c, axes) for c, (_, axes) in zip(cache, self.layout(1)))
 
     def empty_cache(self, batch: int):

@@ -30,10 +30,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ..manual import select, unroll, vary, varying
 from ..sharding import flat_axes as _flat, stack_specs
+from ..untrained import Untrained
 from .executor import Executor, zero_grads
 from .state import Placement, State, feed_belt, put, rings, take
 from .table import END, FORWARD, OP, Table
@@ -173,8 +175,14 @@ def loss_and_grads(blocks, head, x_in, labels, consts, table: Table, axis: str, 
     def pipelined(blocks, head, x_in):
         return forward(blocks, head, x_in)
 
-    def scaled(grads, ct):  # the gradients, times the loss's cotangent
-        return jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads)
+    def scaled(grads, ct):  # the gradients, times the loss's cotangent; not the statistics
+        # that untrained state observes as its probes' gradients (the step scales those)
+        def one(g):
+            if isinstance(g, Untrained):
+                return g
+            return jax.tree.map(lambda a: (ct * a).astype(a.dtype), g)
+
+        return jax.tree.map(one, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     pipelined.defvjp(partial(train, labels=labels, consts=consts, table=table, axis=axis,
                              mesh=mesh, **kw), scaled)

@@ -174,7 +174,8 @@ class Plan:
                              replicate=m.replicate > 1),
             schedule=schedule,
             accum_steps=accum,
-            layer_order=_order(layer_order, cfg.model.num_layers, m.stage, par.pipeline_repeats),
+            layer_order=_order(layer_order, cfg.model.stacked_layers, m.stage,
+                               par.pipeline_repeats),
             # the ring's zig-zag balances its causal work; Ulysses sees the whole sequence
             seq_order=(_order(zigzag_order, tr.seq_len, m.seq)
                        if m.seq > 1 and attention != "ulysses" else None),

@@ -48,7 +48,7 @@ def _inventory(m: ModelConfig, layers: int) -> tuple[dict, frozenset]:
     from ..untrained import Untrained
     from ..store import flat
 
-    order = tuple(range(m.num_layers)) + (-1,) * (layers - m.num_layers)  # -1: a padding slot
+    order = tuple(range(m.stacked_layers)) + (-1,) * (layers - m.stacked_layers)  # -1: padding
     _, params = abstract_model(m, order)
     variables = flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     shapes = {k: (tuple(v.shape), tuple(v.get_metadata("axes"))) for k, v in variables.items()}

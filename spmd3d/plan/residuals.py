@@ -98,7 +98,7 @@ def of(plan) -> LayerBytes:
     """The plan's layer on one device (see the module's docstring)."""
     m, deg = plan.cfg.model, plan.degrees
     t, seq, ep = deg.tensor, deg.seq, deg.expert
-    local = replace(m, num_layers=1, vocab_size=8, num_heads=m.num_heads // t,
+    local = replace(m, num_layers=1, dense_layers=0, vocab_size=8, num_heads=m.num_heads // t,
                     num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t,
                     d_ff_expert=m.expert_width // t)
     return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq, ep,

@@ -51,7 +51,7 @@ def meshes(cfg: Config, per_node: int, devices: int):
                 continue
             for stage in _divisors(devices // (tensor * seq)):
                 data = devices // (tensor * seq * stage)
-                if stage > m.num_layers or t.global_batch % data:
+                if stage > m.stacked_layers or t.global_batch % data:
                     continue
                 mesh = {"data": data, "stage": stage, "tensor": tensor, "seq": seq,
                         "replicate": 1, **({"inside": "tensor"} if across else {})}
@@ -87,7 +87,7 @@ def pipelines(cfg: Config, mesh: dict):
             yield "gpipe", 1, micro
         return
     for kind, repeats in SCHEDULES:
-        if p * repeats > cfg.model.num_layers:
+        if p * repeats > cfg.model.stacked_layers:
             continue
         for micro in _divisors(rows):
             if micro >= p and (repeats == 1 or micro % p == 0):

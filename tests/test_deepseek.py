@@ -25,7 +25,7 @@ from helpers import assert_grads_match, assert_losses_match, by_layout, referenc
 from spmd3d import convert, generate
 from test_convert import TOKENS, assert_reloaded_equal, ours_logits, refused_import, run_config
 
-HF = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+HF = dict(vocab_size=256, hidden_size=64, num_attention_heads=4,
           num_key_value_heads=4, intermediate_size=96, kv_lora_rank=24, qk_nope_head_dim=16,
           qk_rope_head_dim=8, v_head_dim=12, rms_norm_eps=1e-6, max_position_embeddings=64)
 # DeepSeek-V3's long context: YaRN, its scores scaled by m(mscale_all_dim)^2 and here (mscale
@@ -33,14 +33,16 @@ HF = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_hea
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
             beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=1.0)
 HF_MODELS = {
-    # DeepSeek-V3's shape: a query latent, every layer MoE (8 experts in 4 groups, the best 2
-    # groups, top 2), a shared expert, weights renormalized and scaled; YaRN
+    # DeepSeek-V3's shape: a query latent, a dense layer, then MoE ones (8 experts in 4 groups,
+    # the best 2 groups, top 2), a shared expert, weights renormalized and scaled; YaRN
     "deepseek_moe": dict(q_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
                          moe_intermediate_size=32, num_experts_per_tok=2, n_group=4,
                          topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                         first_k_dense_replace=0, rope_parameters=YARN),
+                         num_hidden_layers=3, first_k_dense_replace=1,
+                         rope_parameters=YARN),
     # DeepSeek-V2-Lite's attention: queries straight from the model width; dense layers
-    "mla_dense": dict(q_lora_rank=None, first_k_dense_replace=2, n_routed_experts=8),
+    "mla_dense": dict(q_lora_rank=None, num_hidden_layers=2, first_k_dense_replace=2,
+                      n_routed_experts=8),
 }
 
 
@@ -72,6 +74,7 @@ def test_import_gives_transformers_logits(hf_models, name):
     cfg = run_config(hf_dir)
     assert cfg.model.is_mla and cfg.model.is_moe == (name == "deepseek_moe")
     assert cfg.model.rope_scaling == ("yarn" if name == "deepseek_moe" else "none")
+    assert cfg.model.dense_layers == (1 if name == "deepseek_moe" else 0)
     ours = ours_logits(cfg, hf_dir=hf_dir)
     assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()
 
@@ -131,6 +134,31 @@ def test_mla_with_deepseek_routing_matches_one_device(name):
     assert_losses_match(cfg, reference[0], grads_too=True)
 
 
+# DeepSeek's first dense layer before 3 MoE ones: the dense stack runs where the embedding
+# does (before the pipeline, on every stage), the 3 MoE layers over 2 stages (uneven: 2 + 1)
+MIXED = ("model.num_layers=4", "model.dense_layers=1")
+MIXED_LAYOUTS = {
+    "mixed_ep4_tp2_sp_zero3": dict(data=4, tensor=2, sp=True, zero=3,
+                                   extra=("mesh.expert=4", *MIXED)),
+    "mixed_ep2_tp2_1f1b": dict(data=2, stage=2, tensor=2, remat="full", extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=1f1b", *MIXED)),
+    # the dense layer runs the ring, the pipelined ones ZB-H1's gather
+    "mixed_ep2_seq2_zb_h1": dict(data=2, stage=2, seq=2, extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=zb_h1", *MIXED)),
+    "mixed_dp2_seq2_gpipe_zero3": dict(data=2, stage=2, seq=2, zero=3, extra=(
+        "mesh.expert=2", *MIXED)),
+}
+
+
+@pytest.mark.parametrize("name", by_layout(MIXED_LAYOUTS))
+def test_dense_layers_before_moe_ones_match_one_device(name):
+    reference = reference_run(deepseek_config(extra=MIXED))
+    cfg = deepseek_config(**MIXED_LAYOUTS[name])
+    assert cfg.model.stacked_layers == 3
+    assert_grads_match(cfg, reference[1], untrained=("blocks/mlp/bias",))
+    assert_losses_match(cfg, reference[0], grads_too=True)
+
+
 @pytest.mark.parametrize("tensor", [1, 4], ids=["one_device", "tensor4"])
 def test_generation_caches_the_latent_and_equals_transformers_greedy(hf_models, tensor):
     """Greedy decoding from the latent cache (attention absorbed) gives transformers' tokens;
@@ -140,7 +168,7 @@ def test_generation_caches_the_latent_and_equals_transformers_greedy(hf_models, 
                                                        f"mesh.tensor={tensor}"])
     gen = generate.Generator(plan, graphdef, params)
     (shape, _), = gen.layout(3)
-    assert shape == (2, 3, 40, HF["kv_lora_rank"] + HF["qk_rope_head_dim"])
+    assert shape == (3, 3, 40, HF["kv_lora_rank"] + HF["qk_rope_head_dim"])
     ours = gen.generate(PROMPTS, 16)
     for prompt, new in zip(PROMPTS, ours):
         with torch.no_grad():
@@ -151,7 +179,6 @@ def test_generation_caches_the_latent_and_equals_transformers_greedy(hf_models, 
 
 @pytest.mark.parametrize("change,blamed", [
     (dict(rope_interleave=False), "rope_interleave"),
-    (dict(first_k_dense_replace=1), "first_k_dense_replace"),
     (dict(model_type="deepseek_v2"), "model_type")])
 def test_unsupported_deepseek_variants_are_refused_in_one_line(hf_models, change, blamed,
                                                                tmp_path, capsys):
@@ -168,3 +195,19 @@ def test_mla_config_mistakes_name_their_field(change, blamed):
     with pytest.raises(ConfigError) as e:  # kv_lora_rank 36 does not split over ZeRO's 8
         small_config(data=8, zero=1, extra=MLA + (change,))
     assert e.value.field == blamed, str(e.value)
+
+
+def test_dense_layers_before_a_pipeline_mask_packed_documents():
+    """Packed documents through the dense layer (before the pipeline, the ring over seq 2) and
+    the 1F1B stages: one device's loss and gradients (1e-5)."""
+    from test_documents import _loss_and_grads, packed_batch
+
+    even = ("model.num_layers=5", "model.dense_layers=1")  # gradients in the same slots
+    cfg = deepseek_config(data=2, stage=2, seq=2, extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=1f1b", *even))
+    batch = packed_batch(cfg.train.global_batch, cfg.train.seq_len + 1)
+    ref_loss, ref = _loss_and_grads(deepseek_config(extra=even), batch)
+    loss, grads = _loss_and_grads(cfg, batch)
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    for k, g in grads.items():
+        assert np.max(np.abs(g - ref[k])) <= 1e-5 * np.max(np.abs(ref[k])), k
