@@ -77,6 +77,21 @@ def assert_reloaded_equal(model, reloaded, ref):
         assert np.array_equal(reloaded(torch.tensor(TOKENS)).logits.numpy(), ref)
 
 
+def saved_random(model, path):
+    """(model, path, its logits on TOKENS): a tiny random transformers model in float32, its
+    norms away from 1 (so that a mixed-up norm weight shows) and an MoE router's correction
+    bias away from 0, saved to `path`."""
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "e_score_correction_bias" in name:
+                p.uniform_(-0.1, 0.1)
+        model.save_pretrained(path)
+        return model, path, model(torch.tensor(TOKENS)).logits.numpy()
+
+
 def refused_import(hf_dir, tmp_path, capsys, change: dict, extra=()) -> str:
     """The one error line of `convert import` of a copy of HF_DIR whose config.json has
     `change`, after asserting it exits 2."""

@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from spmd3d import convert
-from test_convert import (TOKENS, assert_reloaded_equal, ours_logits, refused_import,
-                          run_config)
+from test_convert import (assert_reloaded_equal, ours_logits, refused_import, run_config,
+                          saved_random)
 
 COMMON = dict(vocab_size=256, hidden_size=48, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-5)
@@ -42,15 +42,7 @@ def models(tmp_path_factory):
     for seed, (name, (cls, cfg_cls, fields)) in enumerate(MODELS.items()):
         torch.manual_seed(10 + seed)
         model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**(COMMON | fields)))
-        model = model.float().eval()
-        with torch.no_grad():  # norms away from 1, so that a mixed-up norm weight shows
-            for p_name, p in model.named_parameters():
-                if "norm" in p_name:
-                    p.uniform_(0.5, 1.5)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        with torch.no_grad():
-            out[name] = (model, path, model(torch.tensor(TOKENS)).logits.numpy())
+        out[name] = saved_random(model, tmp_path_factory.mktemp(name))
     return out
 
 

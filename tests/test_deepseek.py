@@ -23,7 +23,8 @@ import transformers
 
 from helpers import assert_grads_match, assert_losses_match, by_layout, reference_run, small_config
 from spmd3d import convert, generate
-from test_convert import TOKENS, assert_reloaded_equal, ours_logits, refused_import, run_config
+from test_convert import (assert_reloaded_equal, ours_logits, refused_import, run_config,
+                          saved_random)
 
 HF = dict(vocab_size=256, hidden_size=64, num_attention_heads=4,
           num_key_value_heads=4, intermediate_size=96, kv_lora_rank=24, qk_nope_head_dim=16,
@@ -53,18 +54,7 @@ def hf_models(tmp_path_factory):
     for seed, (name, fields) in enumerate(HF_MODELS.items()):
         torch.manual_seed(20 + seed)
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF, **fields))
-        model = model.float().eval()
-        with torch.no_grad():  # norms away from 1, the correction bias away from 0
-            for p_name, p in model.named_parameters():
-                if "norm" in p_name:
-                    p.uniform_(0.5, 1.5)
-            for p_name, p in model.named_buffers():
-                if "e_score_correction_bias" in p_name:
-                    p.uniform_(-0.1, 0.1)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        with torch.no_grad():
-            out[name] = (model, path, model(torch.tensor(TOKENS)).logits.numpy())
+        out[name] = saved_random(model, tmp_path_factory.mktemp(name))
     return out
 
 
