@@ -65,8 +65,9 @@ def _gather_blocks(blocks):
 
 
 def _outer_ops(plan: Plan) -> Ops:
-    """The ops of layers outside a pipeline's shard_map (the dense ones before it): the plan's
-    attention kernel, the ring where it is ZB-H1's gather (which runs only inside)."""
+    """The ops of layers outside a pipeline's shard_map (all of them without a pipeline; the
+    dense ones before it): the plan's attention kernel, the ring where it is ZB-H1's gather
+    (which runs only inside)."""
     kind = "ring" if plan.attention == "gather" else plan.attention
     return Ops(attention.select(kind, plan.rules.compute["length"], plan.mesh,
                                 tile=plan.cfg.model.attention_tile, local=plan.attention_local))
@@ -199,9 +200,7 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
         return _pipelined_loss(plan, graphdef, params, inputs, labels, positions,
                                segments), labels.size
     # storage order is canonical without a pipeline
-    model, par = nnx.merge(graphdef, params), plan.cfg.parallel
-    ops = Ops(attention.select(plan.attention, plan.rules.compute["length"], plan.mesh,
-                               tile=plan.cfg.model.attention_tile, local=plan.attention_local))
+    model, par, ops = nnx.merge(graphdef, params), plan.cfg.parallel, _outer_ops(plan)
     run = model.layers(_layer_remat(par.remat), par.scan_layers, ops)
     if par.remat == "stage":  # the whole stack is the one stage: keep only its input
         run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,

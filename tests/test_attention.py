@@ -137,13 +137,15 @@ def test_the_plan_resolves_the_kind_on_its_devices():
         config.load(None, ["model.attention=flash"])
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_fused_call_equals_the_blocked_kernel(monkeypatch, dtype, tol):
-    """GQA grouping and the causal mask of the fused call, on JAX's reference implementation."""
+@pytest.mark.parametrize("dtype,tol,e", [(jnp.float32, 1e-5, 16), (jnp.bfloat16, 2e-2, 16),
+                                         (jnp.float32, 1e-5, 12)])
+def test_fused_call_equals_the_blocked_kernel(monkeypatch, dtype, tol, e):
+    """GQA grouping and the causal mask of the fused call, on JAX's reference implementation;
+    with values narrower than the heads (e = 12: MLA's), padded for the call."""
     monkeypatch.setattr(attention, "FUSED", "xla")
     b, t, k, g, h = 2, 256, 2, 3, 16
     q, kk, v = (jax.random.normal(key, shape, dtype) for key, shape in zip(
-        jax.random.split(jax.random.key(0), 3), [(b, t, k, g, h), (b, t, k, h), (b, t, k, h)]))
+        jax.random.split(jax.random.key(0), 3), [(b, t, k, g, h), (b, t, k, h), (b, t, k, e)]))
     got, want = fused_attention(q, kk, v), causal_attention(q, kk, v)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -196,14 +198,15 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(attention, "INTERPRET", True)
 
 
-@pytest.mark.parametrize("with_documents", [True, False])
-def test_pallas_kernel_equals_the_blocked_one(interpreted, with_documents):
+@pytest.mark.parametrize("with_documents,e", [(True, 16), (False, 16), (False, 12)])
+def test_pallas_kernel_equals_the_blocked_one(interpreted, with_documents, e):
     """The Pallas-Triton kernel (interpreted) with GQA and, or not, document ids equals the
     blocked kind, forward and gradients, over T = 256: two of its query blocks and eight of
-    its backward blocks, the diagonal and the blocks skipped above it."""
+    its backward blocks, the diagonal and the blocks skipped above it; with values narrower
+    than the heads (e = 12: MLA's), padded for the call."""
     b, t, k, g, h = 2, 256, 2, 3, 16
     q, kk, v = (jax.random.normal(key, shape) for key, shape in zip(
-        jax.random.split(jax.random.key(0), 3), [(b, t, k, g, h), (b, t, k, h), (b, t, k, h)]))
+        jax.random.split(jax.random.key(0), 3), [(b, t, k, g, h), (b, t, k, h), (b, t, k, e)]))
     ends = np.random.default_rng(0).random((b, t)) < 0.03
     segments = jnp.asarray(np.cumsum(ends, axis=1), jnp.int32) if with_documents else None
 

@@ -53,6 +53,19 @@ def _next_token(logits_bv, key, temperature: float, top_p: float):
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
+def cache_layout(m, batch: int, length: int) -> list:
+    """[(shape, logical axes)] of a KV cache of `length` slots for model config `m`, one entry
+    per array a layer keeps (`Ops.keep`), stacked over the layers: K and V [L, B, S, K, H],
+    split by kv heads; with MLA the latent and the rotary key [L, B, S, C + R], whole on every
+    tensor shard."""
+    if m.is_mla:
+        return [((m.num_layers, batch, length, m.kv_lora_rank + m.qk_rope_head_dim),
+                 (None, "batch", None, None))]
+    return [((m.num_layers, batch, length, m.num_kv_heads, width),
+             (None, "batch", None, "kv_heads", "head_dim"))
+            for width in (m.dim_per_head, m.value_dim)]
+
+
 class Generator:
     """Prefill and decode for `plan` (its `train.seq_len` is the cache length), compiled once
     per batch size. `generate(prompts, ...)` returns the new tokens of every prompt."""
@@ -69,16 +82,8 @@ class Generator:
         self._decode = jax.jit(self._decode_fn, donate_argnums=1, out_shardings=out)
 
     def layout(self, batch: int) -> list:
-        """[(shape, logical axes)] of the cache, one entry per array a layer keeps
-        (`Ops.keep`), stacked over the layers: K and V [L, B, S, K, H], split by kv heads; with
-        MLA the latent and the rotary key [L, B, S, C + R], whole on every tensor shard."""
-        m, s = self.plan.cfg.model, self.cache_len
-        if m.is_mla:
-            return [((m.num_layers, batch, s, m.kv_lora_rank + m.qk_rope_head_dim),
-                     (None, "batch", None, None))]
-        return [((m.num_layers, batch, s, m.num_kv_heads, width),
-                 (None, "batch", None, "kv_heads", "head_dim"))
-                for width in (m.dim_per_head, m.value_dim)]
+        """The cache's arrays (`cache_layout`) for `batch` rows."""
+        return cache_layout(self.plan.cfg.model, batch, self.cache_len)
 
     def _forward(self, params, tokens_bt, positions_bt, cache):
         """Final activations [B, T, D] of tokens at positions[B, T], and the cache (`layout`)

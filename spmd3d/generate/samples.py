@@ -4,9 +4,11 @@ a tensor-parallel layout beside the training state and continued from `run.sampl
 
 from __future__ import annotations
 
+import math
+
 from .. import config as config_lib
 from ..schema import DataError
-from . import SERVING, TEMPERATURE, TOP_P, Generator
+from . import SERVING, TEMPERATURE, TOP_P, Generator, cache_layout
 
 
 class Samples:
@@ -32,10 +34,9 @@ class Samples:
         self.plan = Plan.resolve(serving, devices)
         abstract, shardings = canonical_state(self.plan)
         m, t = cfg.model, cfg.mesh.tensor
-        kept = (m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else  # MLA: its latent
-                m.num_kv_heads // t * (m.dim_per_head + m.value_dim))  # K and V
-        cache = (m.num_layers * cfg.train.seq_len * kept
-                 * jax.numpy.dtype(m.dtype).itemsize)  # one row per device
+        cache = sum(math.prod(shape) // (t if "kv_heads" in axes else 1)  # one row a device
+                    for shape, axes in cache_layout(m, 1, cfg.train.seq_len)
+                    ) * jax.numpy.dtype(m.dtype).itemsize
         self.bytes = sum(a.size * a.dtype.itemsize
                          for a in jax.tree.leaves(abstract.params)) // t + cache
         order = plan.layer_order
