@@ -92,7 +92,8 @@ def state_terms(plan) -> dict:
     return terms
 
 
-TEMPORARY_KINDS = ("gradients", "pipeline_buffers", "logits_loss", "gathered_layers")
+TEMPORARY_KINDS = ("gradients", "pipeline_buffers", "logits_loss", "gathered_layers",
+                   "gathered_tables", "dense_activations")
 
 
 def by_kind(plan, temp_bytes: int, state: dict | None = None) -> dict:

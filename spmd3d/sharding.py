@@ -79,6 +79,9 @@ class Rules:
     """A table from logical names to a mesh axis (or a tuple of axes, or None = replicated)."""
 
     table: tuple  # ((logical name, mesh axes), ...): frozen, hashable
+    # mesh axes a name takes only where no earlier dim of the array took them: `stage` for
+    # the tables outside a pipeline (`zero_rules`), which the stacked layers' `layers` holds
+    spare: tuple = ()
 
     def __getitem__(self, name):
         for k, v in self.table:
@@ -87,7 +90,8 @@ class Rules:
         raise KeyError(name)
 
     def spec(self, names) -> P:
-        """PartitionSpec for a tuple of logical names; unknown names and reused axes raise."""
+        """PartitionSpec for a tuple of logical names; unknown names and reused axes raise
+        (but a spare axis an earlier dim took is dropped)."""
         out, used = [], set()
         for n in names:
             if n is None:
@@ -95,8 +99,8 @@ class Rules:
                 continue
             if n not in LOGICAL_NAMES:
                 raise ValueError(f"unknown logical axis name {n!r} in {names}")
-            axes = self[n]
-            flat = mesh_axes(axes)
+            flat = tuple(a for a in mesh_axes(self[n]) if not (a in self.spare and a in used))
+            axes = flat if len(flat) > 1 else flat[0] if flat else None
             if used & set(flat):
                 raise ValueError(f"mesh axis used twice in {names}: {used & set(flat)}")
             used |= set(flat)
@@ -104,7 +108,7 @@ class Rules:
         return P(*out)
 
     def with_(self, **changes) -> "Rules":
-        return Rules(tuple((k, changes.get(k, v)) for k, v in self.table))
+        return Rules(tuple((k, changes.get(k, v)) for k, v in self.table), self.spare)
 
 
 def compute_rules(sequence_parallel: bool = False, expert: bool = False,
@@ -154,8 +158,8 @@ class ZeroRules:
         stages): L does not split over `stage` evenly, so `layers` stays whole and `embed` and
         `norm` (the model width, in every stacked parameter) take `stage` as well. Used to hand
         checkpoints their canonical arrays, per device no larger than the stored ones."""
-        def plus(axes):
-            return STAGE if axes is None else (*mesh_axes(axes), STAGE)
+        def plus(axes):  # (the tables outside a pipeline may hold it already)
+            return axes if STAGE in mesh_axes(axes) else flat_axes(axes, STAGE)
 
         def add_stage(rules: Rules) -> Rules:
             return rules.with_(layers=None, embed=plus(rules["embed"]), norm=plus(rules["norm"]))
@@ -179,16 +183,32 @@ class ZeroRules:
 
 
 def zero_rules(zero_stage: int, sequence_parallel: bool = False,
-               expert: bool = False, replicate: bool = False) -> ZeroRules:
+               expert: bool = False, replicate: bool = False,
+               over_stage: bool = False) -> ZeroRules:
     """The tables for `zero_stage`: it shards over a group, `data` (and `expert`), never over
-    HSDP's `replicate`: each group holds a whole copy."""
+    HSDP's `replicate`: each group holds a whole copy.
+
+    `over_stage` (a pipeline): the weights used outside it -- the embedding, the head, the
+    dense layers before the stack -- are stored and their gradients reduced split over
+    `stage` too, by `embed` (the stacked layers' `layers` holds `stage` already, so they keep
+    their split): each stage holds 1/p of them, gathered where they are used (`use_param`),
+    and their gradients are reduce-scattered instead of all-reduced over the stages that all
+    use them. Optimizer state keeps its ZeRO group (a group of data x stage seldom divides
+    the width)."""
     base = compute_rules(sequence_parallel, expert, replicate)
     zero = (DATA, EXPERT) if expert else DATA
     sharded = base.with_(embed=zero, latent_embed=zero, expert_embed=DATA)
+
+    def spread(rules: Rules) -> Rules:
+        if not over_stage:
+            return rules
+        axes = flat_axes(rules["embed"], STAGE)
+        return Rules(rules.with_(embed=axes if len(axes) > 1 else STAGE).table, (STAGE,))
+
     return ZeroRules(
         compute=base,
-        params=sharded if zero_stage >= 3 else base,
-        grads=sharded if zero_stage >= 2 else base,
+        params=spread(sharded if zero_stage >= 3 else base),
+        grads=spread(sharded if zero_stage >= 2 else base),
         opt=sharded if zero_stage >= 1 else base,
     )
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .mesh import REPLICATE
+from .mesh import REPLICATE, STAGE
 from .manual import per_device, psum, vary
 from .sharding import current_layout, mesh_axes
 
@@ -106,15 +106,18 @@ def embed_lookup(table_vd, ids_bt):
     whole), so the lookup is manual: where ZeRO shards the gradient's `embed`, each device
     looks up its group's ids in its slice of D and an all-to-all hands every device its own
     rows whole (`_lookup_slices`): the backward's scatter-add makes [V, D/group], not a whole
-    fp32 [V, D] per device.
+    fp32 [V, D] per device. So too where a pipeline's stages split the table by D.
     """
     layout = current_layout()
     shards = per_device(layout, extra="vocab")
-    if shards.extra is None and REPLICATE not in shards.tokens:
-        return jnp.take(table_vd, ids_bt, axis=0)
     axis = shards.extra[0] if shards.extra else None
-    split = tuple(a for a in mesh_axes(layout.grads["embed"]) if a in shards.tokens)
-    if axis is None and split:
+    split = () if layout is None else tuple(a for a in mesh_axes(layout.grads["embed"])
+                                            if a in shards.tokens)
+    # (in slices as well: the table a pipeline's stages split by D, `zero_rules(over_stage)`)
+    slices = axis is None and split and (REPLICATE in shards.tokens or STAGE in split)
+    if axis is None and not slices and REPLICATE not in shards.tokens:
+        return jnp.take(table_vd, ids_bt, axis=0)
+    if slices:
         return shards(functools.partial(_lookup_slices, split=split, tokens=shards.tokens),
                       (P(None, split), shards.spec()), shards.spec(None))(table_vd, ids_bt)
 

@@ -83,11 +83,20 @@ DEEPSEEK = MOE[:4] + ["model.router_score=sigmoid", "model.router_groups=4",
                       "model.num_kv_heads=16", "model.kv_lora_rank=32", "model.q_lora_rank=48",
                       "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
                       "model.v_head_dim=12"]
-DEEPSEEK_LAYOUTS = {"deepseek_ep2_tp2_sp_seq2_zero3": dict(data=2, tensor=2, seq=2, sp=True,
-                                                          zero=3, extra=["mesh.expert=2"])}
+# (layout, the model's own changes, in the reference too): and a dense layer before 3 MoE ones,
+# run slot by slot before a 1F1B pipeline whose stages split the tables outside it
+DEEPSEEK_LAYOUTS = {
+    "deepseek_ep2_tp2_sp_seq2_zero3": (dict(data=2, tensor=2, seq=2, sp=True, zero=3,
+                                            extra=["mesh.expert=2"]), []),
+    "deepseek_dense_first_ep2_pp2_tp2_1f1b": (dict(data=2, stage=2, tensor=2, remat="full",
+                                                   extra=["mesh.expert=2",
+                                                          "parallel.pipeline_schedule=1f1b"]),
+                                              ["model.num_layers=4", "model.dense_layers=1"]),
+}
 
 GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3", "ulysses_dp2_tp2_seq2_sp",
-         "hsdp2x2_tp2_zero3_offload", "deepseek_ep2_tp2_sp_seq2_zero3")  # every leaf at step 0
+         "hsdp2x2_tp2_zero3_offload", "deepseek_ep2_tp2_sp_seq2_zero3",
+         "deepseek_dense_first_ep2_pp2_tp2_1f1b")  # every leaf at step 0
 
 
 def cfg(extra=(), **kw):
@@ -134,7 +143,9 @@ def test_bf16_deepseek_matches_one_device(name):
     def deepseek(extra=(), **kw):
         return cfg(extra=DEEPSEEK + list(extra), **kw)
 
-    _check(deepseek(**DEEPSEEK_LAYOUTS[name]), reference_run(deepseek()), name in GRADS, 8 * U)
+    layout, model = DEEPSEEK_LAYOUTS[name]
+    _check(deepseek(**{**layout, "extra": layout["extra"] + model}),
+           reference_run(deepseek(model)), name in GRADS, 8 * U)
 
 
 def _check(c, reference, grads_too, bound):

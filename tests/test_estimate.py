@@ -315,3 +315,23 @@ def test_moe_presets_compile_within_a_gpu_and_their_plan(preset):
     analytic = r["estimate_of_compiled"]["collectives"]["result"]
     for axis, got in r["collective_bytes_per_axis"].items():
         assert analytic[axis] == pytest.approx(got, rel=0.05), axis
+
+
+def test_deepseek_v3_preset_compiles_within_an_h800():
+    """DeepSeek-V3 671B at the report's layout (2048 H800s: 16 stages over the 58 MoE layers,
+    the 3 dense ones before them on the whole mesh, experts 64 ways, ZeRO-1; 15,360 sequences
+    of 4,096 in 120 microbatches), compiled at full size: at most 70 GB a device (an H800 has
+    80), which it meets only with the tables outside the pipeline split over `stage` and the
+    dense layers gathered once per layer (81.6 GB before); each device's expert weights
+    exactly all of them / (expert x stage); every axis's collectives within 5 % of the
+    compiled. The analytic memory is 0.90 of it, not within 5 %: the compiled temporaries
+    live at once peak at 42.7 GB, below the analytic 45.4, but XLA packs them into 51.7
+    (docs/deepseek.md); this holds the planner to that until it counts the packing."""
+    r = plan_compile("configs/deepseek_v3_671b.yaml")
+    assert r["needed_bytes"] <= 70e9
+    m, k = r["mesh"], r["by_kind"]
+    assert k["expert_weights"] * m["expert"] * m["stage"] == k["expert_weights_total"]
+    assert r["estimate_of_compiled"]["memory"]["needed_bytes"] >= 0.88 * r["needed_bytes"]
+    analytic = r["estimate_of_compiled"]["collectives"]["result"]
+    for axis, got in r["collective_bytes_per_axis"].items():
+        assert analytic[axis] == pytest.approx(got, rel=0.05), axis

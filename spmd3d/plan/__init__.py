@@ -168,10 +168,14 @@ class Plan:
         # update), three times the bytes of reduce-scattering each microbatch's gradients once
         # (docs/choices.md)
         zero = 2 if par.zero_stage == 1 and accum > 1 else par.zero_stage
+        # with a pipeline, the weights used outside it split over `stage` too, where the
+        # width divides (`zero_rules`)
+        group = Degrees.of(mesh.shape).zero if zero >= 2 else 1
+        over_stage = schedule is not None and cfg.model.d_model % (m.stage * group) == 0
         return cls(
             cfg=cfg, mesh=mesh, topology=topology,
             rules=zero_rules(zero, par.sequence_parallel, expert=m.expert > 1,
-                             replicate=m.replicate > 1),
+                             replicate=m.replicate > 1, over_stage=over_stage),
             schedule=schedule,
             accum_steps=accum,
             layer_order=_order(layer_order, cfg.model.stacked_layers, m.stage,

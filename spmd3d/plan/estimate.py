@@ -3,9 +3,8 @@
 No tracing, no compiling, no devices: shapes come from the config, shardings from the plan's
 rules tables, so a layout of 16,384 devices is estimated in about a millisecond and a search
 can try tens of thousands. `memory.py` counts the bytes (its docstring itemises them); here
-are FLOPs, the collectives per mesh axis, the step time and MFU. `footprint.py` is the
-compiled side; `plan --compile` prints both.
-"""
+are FLOPs, the collectives per mesh axis, the step time and MFU (`footprint.py`: the compiled
+side; `plan --compile` prints both)."""
 
 from __future__ import annotations
 
@@ -13,15 +12,13 @@ import math
 
 from .. import moe, offload, ring, ulysses, vocab
 from ..mesh import DATA, EXPERT, REPLICATE, SEQ, STAGE, TENSOR
+from ..sharding import mesh_axes
+from ..units import gb
+from . import quirks, tables
 from .memory import (F32, Widths, _keys_per_query, itemsize, memory, param_shapes, shard_size,
                      state_bytes, untrained)
-from ..units import gb
-from . import quirks
 from .quirks import applies
 
-
-# --------------------------------------------------------------------------------------------
-# FLOPs, communication and step time
 
 # extra forward passes of the layers' matmuls the backward redoes, per remat policy
 RECOMPUTE = {"none": 0, "save_dots": 0, "full": 1, "stage": 2}
@@ -89,11 +86,9 @@ _SENT = {"reduce": lambda k: 2 * (k - 1) / k, "reduce-scatter": lambda k: (k - 1
 
 def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     """Every collective of the plan's step as (what, kind, mesh axes, bytes per device per
-    step), counted as `hlo.bytes_per_axis` counts the compiled ones: a reduction by the bytes
-    it reduces, a gather by those it gathers, a permute or all-to-all by those it moves.
-    Mirrors what the step compiles to (read from the HLO of the layouts `tests/test_estimate.py`
-    compiles): the dtypes each value crosses in, where XLA reuses a value instead of moving it
-    again, and the compiler's quirks (`quirks.py`)."""
+    step), counted as `hlo.bytes_per_axis` counts the compiled ones (a reduction by the bytes
+    it reduces, a gather by those it gathers, a permute or all-to-all by those it moves): the
+    HLO of `tests/test_estimate.py`'s layouts, with its dtypes, reuses and quirks."""
     cfg, s, mesh = plan.cfg, plan.schedule, dict(plan.mesh.shape)
     m, par, rules = cfg.model, cfg.parallel, plan.rules
     deg = plan.degrees
@@ -140,6 +135,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     head_tokens = n * s.head_runs if s is not None and s.head_inside else tokens
     for what, kind, nbytes in vocab.traffic(m.d_model, tokens, head_tokens, pb, c, sp):
         add(what, kind, (TENSOR,), nbytes)
+    for what, kind, axes, nbytes in tables.traffic(plan, act, f, again):  # outside a pipeline
+        add(what, kind, axes, nbytes)
 
     # an MoE layer's sums over `tensor` and its dispatch over `expert` (`moe.traffic`)
     if m.is_moe:
@@ -210,11 +207,14 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     add("head gradient", "reduce", rows_split + (SEQ,),
         size(["head"], rules.compute) * F32 + m.d_model * F32, times)
     embed = size(["embed"], rules.compute) * F32
-    if sharded and t == 1 and deg.replicate > 1:  # HSDP's lookup in slices of D (`vocab`)
-        add("embedding ids", "gather", group, tokens * deg.zero * 4)
-        add("embedding rows", "all-to-all", group, tokens * m.d_model * pb, 2)
+    # the lookup in slices of D (`vocab.embed_lookup`): HSDP's, and a pipeline's over `stage`
+    split = tuple(a for a in mesh_axes(rules.grads["embed"]) if a in rows_split and mesh[a] > 1)
+    k = math.prod(mesh[a] for a in split)
+    if t == 1 and split and (sharded and deg.replicate > 1 or STAGE in split):
+        add("embedding ids", "gather", split, tokens * k * 4)
+        add("embedding rows", "all-to-all", split, tokens * m.d_model * pb, 2)
         add("embedding gradient", "reduce",
-            tuple(a for a in rows_split if a not in group) + (SEQ,), embed / deg.zero, times)
+            tuple(a for a in rows_split if a not in split) + (SEQ,), embed / k, times)
     elif sharded and t == 1 and applies("lookup_moves_cotangents"):
         add("embedding cotangents", "all-to-all", batch, n * m.d_model * F32,
             plan.accum_steps)
@@ -229,11 +229,11 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # the compute dtype first (`sharding.use_param`), and the embedding (as stored) and head
     # once; with a pipeline the stage's layers as stored, once per step (or per tick)
     state = state_bytes(plan)
-    if rules.opt["embed"] is not None and rules.params["embed"] is None:
+    if rules.opt["embed"] is not None and not rules.params_over_batch:
         held = size(experts, rules.params) * pb  # the experts': over their replicas only
         add("updated parameters", "gather", group, state["parameters"] - held)
         add("updated experts", "gather", (DATA,), held)
-    if rules.params["embed"] is not None:
+    if rules.params_over_batch:
         uses = (1 if s is not None and par.zero3_gather == "step" else
                 3 * s.ticks if s is not None else 2 * plan.accum_steps)
         g = pb if s is not None else c

@@ -74,8 +74,8 @@ def _axes(rule) -> tuple:
 def shard_size(shape, names, rules, mesh: dict) -> int:
     """Elements of one device's shard of an array laid out by `rules` (uneven dims padded)."""
     n = 1
-    for dim, name in zip(shape, names):
-        n *= -(-dim // math.prod(mesh[a] for a in _axes(rules[name])))
+    for dim, axes in zip(shape, rules.spec(names)):
+        n *= -(-dim // math.prod(mesh[a] for a in _axes(axes)))
     return n
 
 
@@ -151,6 +151,7 @@ def working_terms(plan) -> dict:
     collects, its belts and its inboxes) and of one
     piece of the loss (its logits, softmax and one-hot, fp32)."""
     from ..vocab import loss_chunks
+    from . import tables
 
     cfg, m = plan.cfg, plan.cfg.model
     row = plan.tokens_per_microbatch
@@ -163,7 +164,9 @@ def working_terms(plan) -> dict:
     piece = tokens // loss_chunks(tokens, cfg.parallel.loss_chunk)
     return {"pipeline_buffers": buffers * itemsize(m.dtype),
             "logits_loss": 3 * piece * m.vocab_size // plan.degrees.tensor * 4,
-            "gathered_layers": gathered_layers(plan)}
+            "gathered_layers": gathered_layers(plan),
+            "gathered_tables": tables.gathered(plan),
+            "dense_activations": tables.dense_activations(plan)}
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,8 @@ def memory(plan) -> dict:
         peak = max(loss, layer)
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
-            + kinds["gathered_layers"] + kinds["head_gradients"] + kinds["expert_gradients"]
+            + kinds["gathered_layers"] + kinds["gathered_tables"] + kinds["dense_activations"]
+            + kinds["head_gradients"] + kinds["expert_gradients"]
             + kinds["whole_gradients"]
             + peak)
     args = kinds["parameters"] + kinds["optimizer_state"]
