@@ -265,6 +265,10 @@ def validate(cfg: Config) -> None:
                 if getattr(m, name):
                     _divides(f"model.{name}", getattr(m, name), mesh.data // mesh.replicate,
                              f"mesh.data / mesh.replicate (ZeRO shards {name} over a group)")
+    if par.tables_over_stage and mesh.stage > 1:  # split by width over stage (x ZeRO's group)
+        group = mesh.data // mesh.replicate if par.zero_stage >= 2 and mesh.data > 0 else 1
+        _divides("model.d_model", m.d_model, mesh.stage * group,
+                 "mesh.stage x ZeRO's group (parallel.tables_over_stage splits it over both)")
     if mesh.seq > 1:  # the zig-zag layout cuts the sequence into 2 chunks per ring device
         _divides("train.seq_len", tr.seq_len, 2 * mesh.seq, "2 * mesh.seq (zig-zag chunks)")
     if par.sequence_parallel:

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import attention, pipeline
+from . import attention, mtp, pipeline
 from . import ops as ops_lib
 from .manual import unroll, vary, without
 from .ops import Ops
@@ -176,7 +176,9 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
                                                            slot_x.shape[3:]), rope, seg)
             x = jnp.moveaxis(y.reshape(slot_x.shape), 0, 2)
     # inside the pipeline's shard_map, constraints resolve against its context mesh
-    grads = inner if batch_axis is not None else rules.grads  # no manual axis in them
+    # (no manual axis in them: the tables outside the pipeline split over `stage` are used
+    # inside it whole, the head's gradient summed by the shard_map)
+    grads = inner if batch_axis is not None else without(rules.grads, flat_axes(axis, seq_axis))
     where = dict(active=plan.active, batch_axis=batch_axis, seq_axis=seq_axis,
                  stage_remat=par.remat == "stage", segments=segments)
 
@@ -230,11 +232,14 @@ def label_count(plan: Plan, tokens_bt1):
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
     inputs, labels, segments = labelled(tokens_bt1, plan.eot)
+    depths = plan.cfg.model.mtp_layers  # multi-token prediction's ids and labels
+    ahead = mtp.targets(tokens_bt1, labels, segments, depths) if depths else None
     positions = np.arange(inputs.shape[1])
     if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
         positions = np.asarray(plan.seq_order)
         inputs, labels = inputs[:, positions], labels[:, positions]
         segments = None if segments is None else segments[:, positions]
+        ahead = None if ahead is None else tuple(a[:, :, positions] for a in ahead)
     if plan.pipelined:
         return _pipelined_loss(plan, graphdef, params, inputs, labels, positions,
                                segments), labels.size
@@ -248,4 +253,8 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     x = model.dense_layers(_layer_remat(par.remat), par.scan_layers, ops)(
         model.embed_tokens(inputs), rope)
     x = run(nnx.state(model.blocks), x, rope)
-    return model.loss(x, labels, par.loss_chunk)
+    total, count = model.loss(x, labels, par.loss_chunk)
+    if ahead is not None:
+        total += mtp.loss_sum(model, x, *ahead, rope,
+                              model.layer(_layer_remat(par.remat), ops, model.mtp), par.loss_chunk)
+    return total, count

@@ -54,7 +54,7 @@ class Weight:
 
     @property
     def stacked(self) -> bool:
-        return self.key.startswith(("blocks/", "dense/"))
+        return self.key.startswith(("blocks/", "dense/", "mtp/"))
 
     def hf_names(self, layer: int | None = None) -> list[str]:
         return [n.format(None if layer is None else layer + self.first) for n in self.names]
@@ -216,7 +216,28 @@ def weights(cfg: ModelConfig) -> tuple:
     if cfg.dense_layers:
         out += [replace(w, key="dense/" + w.key[len("blocks/"):])
                 for w in _layer_weights(replace(cfg, num_experts=0))]
-    return tuple(out)
+    return tuple(out) + _mtp_weights(cfg)
+
+
+def _mtp_weights(cfg: ModelConfig) -> tuple:
+    """Multi-token prediction's depths (`mtp/`), DeepSeek-V3's layers `num_layers` on: each
+    one of the stack's layers (its weights named as the layers' are) with its two input norms,
+    its [embedding; state] projection and its head's norm. The checkpoint's copies of the
+    embedding and head in those layers are the model's own (not read, not written)."""
+    if not cfg.mtp_layers or family(cfg) != "deepseek_v3":  # (the only family that has them)
+        return ()
+    block = [replace(w, key="mtp/block/" + w.key[len("blocks/"):], first=cfg.num_layers)
+             for w in _layer_weights(cfg)]
+    d = cfg.d_model
+    return tuple(block) + tuple(
+        Weight(f"mtp/{ours}/scale", (_LAYER + f"{theirs}.weight",), _SAME, _SAME_OUT,
+               first=cfg.num_layers)
+        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"),
+                             ("post_norm", "shared_head.norm"))) + (
+        Weight("mtp/eh_proj", (_LAYER + "eh_proj.weight",),  # [d, 2d] <-> [2, d, d]
+               lambda ts, cfg: ts[0].T.reshape(2, d, d),
+               lambda w, cfg: [w.reshape(2 * d, d).T], first=cfg.num_layers),
+        Weight("mtp/stats/probe", (), _zeros((1,)), _NONE))
 
 
 def _layer_weights(cfg: ModelConfig) -> tuple:

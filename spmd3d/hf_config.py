@@ -103,7 +103,9 @@ def _deepseek_fields(hf: dict, refuse) -> dict:
     layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace") or 0
     out = dict(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0,
                qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-               v_head_dim=hf["v_head_dim"], num_kv_heads=hf["num_attention_heads"], head_dim=0)
+               v_head_dim=hf["v_head_dim"], num_kv_heads=hf["num_attention_heads"], head_dim=0,
+               # (taken where the checkpoint holds the depths' weights: `convert.import_config`)
+               mtp_layers=hf.get("num_nextn_predict_layers") or 0)
     if dense < layers:  # the first `dense` layers dense, the rest MoE
         out.update(dense_layers=dense, num_experts=hf["n_routed_experts"], d_ff_expert=hf["moe_intermediate_size"],
                    shared_experts=hf.get("n_shared_experts") or 0,
@@ -193,7 +195,7 @@ def _deepseek_config(cfg: ModelConfig) -> dict:
                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim, rope_interleave=True,
                first_k_dense_replace=cfg.dense_layers if cfg.is_moe else cfg.num_layers,
-               num_nextn_predict_layers=0)
+               num_nextn_predict_layers=cfg.mtp_layers)
     if cfg.is_moe:
         out.update(n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_width,
                    n_shared_experts=cfg.shared_experts, num_experts_per_tok=cfg.experts_per_token,

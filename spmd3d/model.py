@@ -12,6 +12,7 @@ layout) and run with `lax.scan`: one compiled block, whatever the depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from . import fp8, mla, moe, offload, router
+from . import fp8, mla, moe, mtp, offload, router
 from .attention import causal_attention
 from .config import DTYPES, ModelConfig
 from .layers import RMSNorm, param, project, rms_norm, use
@@ -208,6 +209,11 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
+        # multi-token prediction's depths (`model.mtp_layers`): a stack of their own, `mtp`,
+        # made last (the rest is initialised the same with it on or off)
+        self.mtp = (_stack(cfg, cfg.mtp_layers, "mtp", rngs,
+                           functools.partial(mtp.Depth, block=Block))
+                    if cfg.mtp_layers else None)
 
     def embed_tokens(self, tokens_bt):
         """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype (`embed_lookup`)."""
@@ -368,12 +374,12 @@ class Transformer(nnx.Module):
         return self.logits(x)
 
 
-def _stack(cfg: ModelConfig, n: int, name: str, rngs: nnx.Rngs):
-    """n Blocks of `cfg` stacked on a leading dim of logical name `name`."""
+def _stack(cfg: ModelConfig, n: int, name: str, rngs: nnx.Rngs, module=None):
+    """n Blocks of `cfg` (or `module(cfg, rngs)`s) stacked on a leading dim named `name`."""
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: name})
     def make(rngs):
-        return Block(cfg, rngs)
+        return (module or Block)(cfg, rngs)
 
     return make(rngs)
 

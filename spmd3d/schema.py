@@ -136,17 +136,16 @@ class ModelConfig:
                                      "ragged), ragged (jax.lax.ragged_dot), mosaic (jax's Pallas "
                                      "Mosaic GPU kernel) or tokamax (tokamax.ragged_dot)")
     expert_weight_grad: str = doc("auto", "MoE, dropless: the experts' weight gradient: auto "
-                                          "(pallas on a GPU, else xla), xla "
-                                          "(jax.lax.ragged_dot_general) or pallas (our "
-                                          "Pallas-Triton kernel, tgmm.py)")
+                                          "(pallas on a GPU, else xla), xla (jax.lax."
+                                          "ragged_dot_general) or pallas (tgmm.py's kernel)")
+    # multi-token prediction (mtp.py, DeepSeek-V3): after the stack, each depth predicts one
+    # token further from the last depth's state and the next token's embedding
+    mtp_layers: int = doc(0, "MTP depths (DeepSeek-V3: 1), each a layer of the stack's kind; "
+                             "0: off")
+    mtp_loss_weight: float = doc(0.1, "MTP: the depths' mean loss times this joins the loss")
 
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def expert_width(self) -> int:
-        return self.d_ff_expert or self.d_ff
+    is_moe = property(lambda self: self.num_experts > 0)
+    expert_width = property(lambda self: self.d_ff_expert or self.d_ff)
 
     @property
     def stacked_layers(self) -> int:
@@ -161,9 +160,8 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         """A query/key head's width (MLA: its no-position and rotary parts)."""
-        if self.is_mla:
-            return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return self.head_dim or self.d_model // self.num_heads
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else
+                self.head_dim or self.d_model // self.num_heads)
 
     @property
     def value_dim(self) -> int:
@@ -291,12 +289,14 @@ class ParallelConfig:
                              "(full's layer inputs kept in host memory), offload_dots "
                              "(save_dots' matmul outputs kept in host memory)")
     # false unrolls the layer loop when tracing (each pipeline stage's chunk, with a pipeline):
-    # no per-layer copies into stacked residual buffers and scheduling across layers, for
-    # compile time that grows with depth -- a win for small, shallow models (see bench_small)
+    # no copies into stacked residual buffers, for compile time growing with depth (bench_small)
     scan_layers: bool = doc(True, "one compiled layer in a lax.scan; false: layers unrolled")
     zero3_gather: str = doc("step", "ZeRO-3 with a pipeline: gather each stage's layers once "
                                     "per step (step) or per layer at every tick (tick: less "
                                     "memory, stage weights x3 per tick over data)")
+    tables_over_stage: bool = doc(False, "a pipeline: the weights used outside it (embedding, "
+                                         "head, dense layers first) stored split over stage "
+                                         "too and gathered where used (d_model % stage = 0)")
     loss_chunk: int = doc(1024, "tokens per device whose logits exist at once in the head "
                                 "and loss (pieces in a loop); 0: all at once")
 

@@ -47,8 +47,9 @@ LOGICAL_NAMES = (
     # MLA (mla.py): a latent's width where it is made (never split), and as an up
     # projection's input dim (ZeRO's, as `embed` is for the rest)
     "latent", "latent_embed",
-    # the stack of dense layers before the main one (DeepSeek's first k): never split
-    "dense",
+    # the stacks of dense layers before the main one (DeepSeek's first k) and of multi-token
+    # prediction's depths after it: never split
+    "dense", "mtp",
 )
 
 
@@ -141,6 +142,7 @@ def compute_rules(sequence_parallel: bool = False, expert: bool = False,
         ("latent", None),
         ("latent_embed", None),
         ("dense", None),
+        ("mtp", None),
     ))
 
 

@@ -34,22 +34,23 @@ class Untrained(Param):
 
 def advance_untrained(params, observed, old, scale, plan) -> tuple[object, dict]:
     """(`params` with every group of `Untrained` state advanced by its type, their metrics):
-    a group is the `Untrained` leaves of a node that holds a `probe`."""
+    a group is the `Untrained` leaves of a node that holds a `probe`. Metrics of groups under
+    multi-token prediction's depths (`mtp`) are named `mtp_...`."""
     metrics = {}
 
-    def walk(node, seen, before):
+    def walk(node, seen, before, prefix=""):
         probe = node.get("probe") if hasattr(node, "get") else None
         if isinstance(probe, Untrained):
             names = [k for k, v in node.items() if isinstance(v, Untrained)]
             new, m = type(probe).advance({k: before[k][...] for k in names},
                                          {k: seen[k][...] for k in names}, scale, plan)
-            metrics.update(m)
+            metrics.update({k if k.startswith(prefix) else prefix + k: v for k, v in m.items()})
             for k in names:
                 node[k] = before[k].replace(new[k])
             return
         for k, v in (node.items() if hasattr(node, "items") else ()):
             if not isinstance(v, nnx.Variable):
-                walk(v, seen[k], before[k])
+                walk(v, seen[k], before[k], "mtp_" if k == "mtp" else prefix)
 
     walk(params, observed, old)
     return params, metrics

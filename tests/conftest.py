@@ -70,6 +70,7 @@ FAST = (
     "test_hsdp.py::test_collectives_run_per_group",
     "test_deepseek.py::test_import_onto_tensor_and_experts_gives_one_device_logits",
     "test_deepseek.py::test_mla_with_deepseek_routing_matches_one_device[ds_ep2_zb_h1_tp2_sp]",
+    "test_mtp.py::test_import_gives_transformers_mtp_loss",
     # the planner against the compiled step
     "test_estimate.py::test_analytic_memory_is_the_compiled_within_5_percent[tensor 2 SP, seq 2, zero3, save_dots]",
     "test_planner_property.py",

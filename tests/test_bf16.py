@@ -90,7 +90,8 @@ DEEPSEEK_LAYOUTS = {
                                             extra=["mesh.expert=2"]), []),
     "deepseek_dense_first_ep2_pp2_tp2_1f1b": (dict(data=2, stage=2, tensor=2, remat="full",
                                                    extra=["mesh.expert=2",
-                                                          "parallel.pipeline_schedule=1f1b"]),
+                                                          "parallel.pipeline_schedule=1f1b",
+                                                          "parallel.tables_over_stage=true"]),
                                               ["model.num_layers=4", "model.dense_layers=1"]),
 }
 

@@ -125,8 +125,9 @@ def test_mla_with_deepseek_routing_matches_one_device(name):
 
 
 # DeepSeek's first dense layer before 3 MoE ones: the dense stack runs where the embedding
-# does (before the pipeline, on every stage), the 3 MoE layers over 2 stages (uneven: 2 + 1)
-MIXED = ("model.num_layers=4", "model.dense_layers=1")
+# does (before the pipeline, on every stage), the 3 MoE layers over 2 stages (uneven: 2 + 1);
+# with a pipeline, the weights outside it split over the stages too (as the preset has them)
+MIXED = ("model.num_layers=4", "model.dense_layers=1", "parallel.tables_over_stage=true")
 MIXED_LAYOUTS = {
     "mixed_ep4_tp2_sp_zero3": dict(data=4, tensor=2, sp=True, zero=3,
                                    extra=("mesh.expert=4", *MIXED)),
@@ -192,7 +193,8 @@ def test_dense_layers_before_a_pipeline_mask_packed_documents():
     the 1F1B stages: one device's loss and gradients (1e-5)."""
     from test_documents import _loss_and_grads, packed_batch
 
-    even = ("model.num_layers=5", "model.dense_layers=1")  # gradients in the same slots
+    even = ("model.num_layers=5", "model.dense_layers=1",  # gradients in the same slots
+            "parallel.tables_over_stage=true")
     cfg = deepseek_config(data=2, stage=2, seq=2, extra=(
         "mesh.expert=2", "parallel.pipeline_schedule=1f1b", *even))
     batch = packed_batch(cfg.train.global_batch, cfg.train.seq_len + 1)

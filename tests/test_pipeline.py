@@ -28,6 +28,9 @@ LAYOUTS = {
     "dp2_pp2_tp2_zero3": dict(data=2, stage=2, tensor=2, micro=4, zero=3),
     "dp2_pp2_tp2_zero3_tick": dict(data=2, stage=2, tensor=2, micro=4, zero=3,
                                    extra=["parallel.zero3_gather=tick"]),
+    # the embedding and head split over the stages too, their uses inside the tick loop
+    "dp2_pp2_tp2_zero3_tick_tables": dict(data=2, stage=2, tensor=2, micro=4, zero=3, extra=[
+        "parallel.zero3_gather=tick", "parallel.tables_over_stage=true"]),
     "dp2_pp2_tp2_v2_sp_zero1_remat": dict(data=2, stage=2, tensor=2, micro=4, zero=1, sp=True,
                                           remat="full", extra=["parallel.pipeline_repeats=2"]),
     "dp2_pp2_tp2_sp_stage_remat": dict(data=2, stage=2, tensor=2, micro=4, sp=True, remat="stage",

@@ -45,7 +45,13 @@ def import_config(hf_dir: str | Path, preset: str | None = None, overrides=()) -
     from ..hf import Reader
     from ..hf_config import model_fields
 
-    fields = model_fields(Reader(hf_dir).config, f"{hf_dir}/config.json")
+    reader = Reader(hf_dir)
+    fields = model_fields(reader.config, f"{hf_dir}/config.json")
+    # multi-token prediction: where the checkpoint holds the depths' weights (a config may
+    # count depths whose weights were left out), unless `model.mtp_layers` says otherwise
+    if any(o.startswith("model.mtp_layers=") for o in overrides) or \
+            f"model.layers.{fields['num_layers']}.eh_proj.weight" not in reader:
+        fields.pop("mtp_layers", None)
     tokenizer = [f"data.tokenizer={hf_dir}"] if (Path(hf_dir) / "tokenizer.json").is_file() else []
     return config_lib.load(preset, [*tokenizer, *overrides,
                                     *(f"model.{k}={v}" for k, v in fields.items())])

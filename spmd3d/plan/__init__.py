@@ -168,10 +168,8 @@ class Plan:
         # update), three times the bytes of reduce-scattering each microbatch's gradients once
         # (docs/choices.md)
         zero = 2 if par.zero_stage == 1 and accum > 1 else par.zero_stage
-        # with a pipeline, the weights used outside it split over `stage` too, where the
-        # width divides (`zero_rules`)
-        group = Degrees.of(mesh.shape).zero if zero >= 2 else 1
-        over_stage = schedule is not None and cfg.model.d_model % (m.stage * group) == 0
+        # with a pipeline, the weights used outside it split over `stage` too (`zero_rules`)
+        over_stage = schedule is not None and par.tables_over_stage
         return cls(
             cfg=cfg, mesh=mesh, topology=topology,
             rules=zero_rules(zero, par.sequence_parallel, expert=m.expert > 1,

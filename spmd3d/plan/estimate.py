@@ -48,15 +48,15 @@ def flops(plan) -> dict:
     tokens = cfg.train.global_batch * t / n
     keys = (0.5 * t if plan.attention_local in ("cudnn", "pallas", "ring", "gather")
             else _keys_per_query(plan))
-    # per token, one forward of the layers (the stack's; the dense ones before it: `head`)
-    matmul_fwd = 2 * m.stacked_layers * m.active_layer_params
-    attention_fwd = 2 * m.num_layers * m.num_heads * (m.dim_per_head + m.value_dim) * keys
+    # per token, one forward of the layers (the stack's and MTP's; the dense ones': `head`)
+    matmul_fwd, depths = 2 * (m.stacked_layers + m.mtp_layers) * m.active_layer_params, m.mtp_layers
+    attention_fwd = 2 * (m.num_layers + depths) * m.num_heads * (m.dim_per_head + m.value_dim) * keys
     redo = redone(plan)  # save_dots keeps the matmuls' results, not the scores
     redo_attention = redo + (1 if remat == "save_dots" else 0)
-    # lockstep schedules: every stage computes at every tick; ZB-H1's idle slots compute nothing
-    stretch = s.flops_ratio if s is not None else 1.0
+    stretch = s.flops_ratio if s is not None else 1.0  # lockstep: all compute, ZB-H1's idle not
     layers_m, layers_a = matmul_fwd * (3 + redo) * stretch, attention_fwd * (3 + redo_attention) * stretch
-    head = 6 * (matmul_params(m) - m.stacked_layers * m.active_layer_params)
+    head = 6 * (matmul_params(m) - m.stacked_layers * m.active_layer_params  # + MTP's heads
+                + depths * (m.d_model * m.vocab_size + 2 * m.d_model ** 2))  # and projections
     return {"model": flops_per_token(m, t) * tokens, "matmul": (layers_m + head) * tokens,
             "attention": layers_a * tokens,
             "recompute_matmul": matmul_fwd * redo * stretch * tokens,

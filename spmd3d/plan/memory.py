@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from ..config import ModelConfig
 from . import residuals
+from ..mesh import STAGE
 from .quirks import applies
 
 F32 = 4
@@ -151,7 +152,6 @@ def working_terms(plan) -> dict:
     collects, its belts and its inboxes) and of one
     piece of the loss (its logits, softmax and one-hot, fp32)."""
     from ..vocab import loss_chunks
-    from . import tables
 
     cfg, m = plan.cfg, plan.cfg.model
     row = plan.tokens_per_microbatch
@@ -165,8 +165,49 @@ def working_terms(plan) -> dict:
     return {"pipeline_buffers": buffers * itemsize(m.dtype),
             "logits_loss": 3 * piece * m.vocab_size // plan.degrees.tensor * 4,
             "gathered_layers": gathered_layers(plan),
-            "gathered_tables": tables.gathered(plan),
-            "dense_activations": tables.dense_activations(plan)}
+            "gathered_tables": gathered_tables(plan),
+            "dense_activations": dense_activations(plan)}
+
+
+# the weights a pipeline runs outside its schedule (the embedding, head and dense layers
+# before the stack), split over `stage` too: what they hold (`tables.py`: their traffic)
+
+def over_stage(plan) -> bool:
+    """Whether the weights outside the pipeline are stored split over `stage`."""
+    return STAGE in plan.rules.params.spare
+
+
+def gathered_tables(plan) -> int:
+    """The head and final norm whole over the stages, in the parameter dtype, while the
+    pipeline runs (the loss needs them; the embedding is looked up in its slices, the dense
+    layers are gathered one at a time)."""
+    if not over_stage(plan):
+        return 0
+    m, mesh = plan.cfg.model, dict(plan.mesh.shape)
+    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute, mesh)
+    return (head + m.d_model) * itemsize(m.param_dtype)
+
+
+def _slots(plan) -> int:
+    """The dense layers' runs per layer a step: a pipeline's slots, else the microbatches."""
+    s = plan.schedule
+    return -(-plan.microbatches // s.stages) if s is not None else plan.microbatches
+
+
+def dense_activations(plan) -> int:
+    """What the dense layers keep for their backward while the stack runs: with a pipeline
+    under a remat policy each layer's input for every slot (`forward._dense_by_slot`), else
+    what the layer's policy keeps, for every slot (one microbatch without a pipeline)."""
+    cfg, m, s = plan.cfg, plan.cfg.model, plan.schedule
+    if not m.dense_layers:
+        return 0
+    policy = "full" if cfg.parallel.remat == "stage" or s is not None and \
+        cfg.parallel.remat != "none" else cfg.parallel.remat
+    split = plan.degrees.tensor if cfg.parallel.sequence_parallel else 1
+    kept = residuals.of(plan, dense=True).kept(policy, split,
+                                                xla_drops=applies("vjp_hands_over_more"))
+    return int(m.dense_layers * (_slots(plan) if s is not None else 1)
+               * plan.tokens_per_microbatch * kept)
 
 
 @dataclass(frozen=True)
@@ -212,8 +253,9 @@ def activation_bytes(plan) -> dict:
     # a pass that keeps its input alone: stage remat, and circular GPipe's recomputed stages
     whole = policy == "stage" or (s is not None and s.recomputes_stage)
     inner = "full" if policy == "stage" else policy  # the policy inside a stage checkpoint
-    if s is None:  # gradient accumulation: one microbatch's layers at a time
-        passes, per_pass = 1, kept("full") if whole else layers * kept(policy)
+    if s is None:  # gradient accumulation: one microbatch's layers at a time (and MTP's)
+        passes, per_pass = 1, (kept("full") if whole else layers * kept(policy)) + \
+            cfg.model.mtp_layers * kept(inner)
     else:  # autodiff keeps every slot's pass (bubbles included), the others their stash
         passes = s.saved_passes
         stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)
@@ -269,10 +311,13 @@ def memory(plan) -> dict:
     head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute,
                       mesh) * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
-    # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1
+    # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1;
+    # each MTP depth's use of the head and the embedding holds one more of each, whole
     sharded = plan.rules.grads_over_batch and plan.degrees.zero > 1
+    embed = shard_size((m.vocab_size, m.d_model), ("vocab", "embed"), plan.rules.compute, mesh)
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
-                                                          else 0)
+                                                          else 0) + \
+        m.mtp_layers * (head + embed * F32)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
     # HSDP accumulating: a microbatch's layer gradients reduced whole over the group
