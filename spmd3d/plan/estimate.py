@@ -110,9 +110,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         if axes and nbytes and times:
             items.append((what, kind, axes, float(nbytes) * times))
 
-    # layer passes a device runs: forward and backward (lockstep, bubbles included)
+    # layer passes a device runs: forward and backward (lockstep, bubbles included; MTP's too)
     if s is None:
-        fwd = bwd = micro * plan.layers_per_stage
+        fwd = bwd = micro * (plan.layers_per_stage + m.mtp_layers)
     else:
         fwd = bwd = s.forwards * chunk
     # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
@@ -134,7 +134,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # each steady tick, under a conditional
     head_tokens = n * s.head_runs if s is not None and s.head_inside else tokens
     for what, kind, nbytes in vocab.traffic(m.d_model, tokens, head_tokens, pb, c, sp):
-        add(what, kind, (TENSOR,), nbytes)
+        add(what, kind, (TENSOR,), nbytes, 1 + m.mtp_layers)  # each MTP depth's lookup, head
     for what, kind, axes, nbytes in tables.traffic(plan, act, f, again):  # outside a pipeline
         add(what, kind, axes, nbytes)
 
@@ -182,7 +182,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     def size(keys, table):
         return sum(shard_size(*shapes[k], table, mesh) for k in keys)
 
-    blocks = [k for k in shapes if k.startswith("blocks/")]
+    blocks = [k for k in shapes if k.startswith(("blocks/", "mtp/"))]  # MTP's as a layer's
     experts = [k for k in blocks if "experts" in shapes[k][1]]  # split over `expert` already
     fp32 = [k for k in blocks if "norm" in k or k.endswith("router") or k in skip]
     # (the experts' weights in fp32 everywhere: their shard_map sums them over the token axes,
@@ -204,8 +204,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         # pipeline's shard_map sums the stage's whole gradient over data and seq at once)
         add("layer gradients", "reduce", (SEQ,),
             layer_bytes / (shard if s is None else 1), times)
-    add("head gradient", "reduce", rows_split + (SEQ,),
-        size(["head"], rules.compute) * F32 + m.d_model * F32, times)
+    add("head gradient", "reduce", rows_split + (SEQ,),  # (each MTP depth's use apart)
+        size(["head"], rules.compute) * F32 + m.d_model * F32, times * (1 + m.mtp_layers))
     embed = size(["embed"], rules.compute) * F32
     # the lookup in slices of D (`vocab.embed_lookup`): HSDP's, and a pipeline's over `stage`
     split = tuple(a for a in mesh_axes(rules.grads["embed"]) if a in rows_split and mesh[a] > 1)
@@ -222,7 +222,7 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("embedding gradient", "reduce",
             tuple(a for a in rows_split if a not in batch) + (SEQ,), embed, times)
     else:
-        add("embedding gradient", "reduce", rows_split + (SEQ,), embed, times)
+        add("embedding gradient", "reduce", rows_split + (SEQ,), embed, times * (1 + m.mtp_layers))
 
     # parameters gathered over data: ZeRO-1/2 once, after the update, as stored; ZeRO-3 the
     # layers before each use (forward, backward; a recompute reuses the backward's), cast to
@@ -241,9 +241,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("layers gathered (ZeRO-3)", "gather", group, size(dense, rules.compute) * g, uses)
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
             uses)
-        add("embedding and head gathered (ZeRO-3)", "gather", group,
+        add("embedding and head gathered (ZeRO-3)", "gather", group,  # per MTP depth again
             size(["embed", "final_norm/scale"], rules.compute) * pb
-            + size(["head"], rules.compute) * g)
+            + size(["head"], rules.compute) * g, 1 + m.mtp_layers)
     return items
 
 
