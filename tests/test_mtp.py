@@ -151,3 +151,25 @@ def test_export_writes_the_depth_back(hf_mtp, tmp_path):
         got.update(load_file(f))
     depth = [k for k in want if k.startswith(f"model.layers.{LAYERS}.")]
     assert len(depth) > 10 and all(np.array_equal(want[k], got[k]) for k in depth)
+
+
+@pytest.mark.parametrize("change,blamed", [
+    (("mesh.stage=2", "train.microbatches=2"), "model.mtp_layers"),  # not in a pipeline yet
+    (("model.mtp_layers=-1",), "model.mtp_layers"),
+    (("model.mtp_loss_weight=-0.1",), "model.mtp_loss_weight")])
+def test_mtp_config_mistakes_name_their_field(change, blamed):
+    from spmd3d.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        small_config(extra=MLA + DEEPSEEK + MTP + change)
+    assert e.value.field == blamed, str(e.value)
+
+
+def test_tables_over_stage_needs_a_width_the_stages_split():
+    from spmd3d.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:  # d_model 76 over 2 stages x ZeRO-3's 4
+        small_config(data=4, stage=2, zero=3, micro=2, extra=(
+            "parallel.tables_over_stage=true", "model.d_model=76", "model.num_heads=2",
+            "model.num_kv_heads=2"))
+    assert e.value.field == "model.d_model", str(e.value)
