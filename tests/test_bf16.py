@@ -18,6 +18,15 @@ Every bf16 dot sums in fp32, as on a GPU: on jax 0.12 only with conftest's XLA:C
 without which one device's `w_down` gradient was 5.1 u off fp32 (its dot's partial sums
 rounded to bf16) and 5.6 u off the layouts, which were 1.5 u off fp32.
 
+Multi-token prediction's router (DeepSeek's shape, experts split 2 ways with tensor 2, SP, the
+ring and ZeRO-3) is noisier still: its gradient sits at the end of the main stack and of the
+depth's own, and one device's bf16 gradient is 31 u off fp32 (of its largest value), the
+layout's 34 u, the two 19 u apart; every other leaf of that layout is within 10 u of fp32 and
+6 u of one device. So where one device's bf16 gradient is itself farther from the fp32 truth
+than the bound, a layout may differ from it by half again that distance (`_check`'s `truth`):
+it must be about as close to the truth as one device is, never a leaf off by more than its own
+roundoff explains.
+
 A gradient that a shard_map sums over a manual axis is summed in fp32 (`manual.vary`): in
 bf16 XLA:CPU's all-reduce-promotion pass aborted the compile (its reducer's root was the
 sharding constraint's copy, "Invalid binary instruction opcode copy").
@@ -83,11 +92,13 @@ DEEPSEEK = MOE[:4] + ["model.router_score=sigmoid", "model.router_groups=4",
                       "model.num_kv_heads=16", "model.kv_lora_rank=32", "model.q_lora_rank=48",
                       "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
                       "model.v_head_dim=12"]
-# (layout, the model's own changes, in the reference too): and a dense layer before 3 MoE ones,
-# run slot by slot before a 1F1B pipeline whose stages split the tables outside it
+# (layout, the model's own changes, in the reference too): with a multi-token prediction depth,
+# and a dense layer before 3 MoE ones, run slot by slot before a 1F1B pipeline whose stages
+# split the tables outside it
 DEEPSEEK_LAYOUTS = {
-    "deepseek_ep2_tp2_sp_seq2_zero3": (dict(data=2, tensor=2, seq=2, sp=True, zero=3,
-                                            extra=["mesh.expert=2"]), []),
+    "deepseek_mtp_ep2_tp2_sp_seq2_zero3": (dict(data=2, tensor=2, seq=2, sp=True, zero=3,
+                                                extra=["mesh.expert=2"]),
+                                           ["model.mtp_layers=1"]),
     "deepseek_dense_first_ep2_pp2_tp2_1f1b": (dict(data=2, stage=2, tensor=2, remat="full",
                                                    extra=["mesh.expert=2",
                                                           "parallel.pipeline_schedule=1f1b",
@@ -96,7 +107,7 @@ DEEPSEEK_LAYOUTS = {
 }
 
 GRADS = ("dp8_zero3", "dp2_pp2_seq2_zb_h1", "moe_ep4_x2_zero3", "ulysses_dp2_tp2_seq2_sp",
-         "hsdp2x2_tp2_zero3_offload", "deepseek_ep2_tp2_sp_seq2_zero3",
+         "hsdp2x2_tp2_zero3_offload", "deepseek_mtp_ep2_tp2_sp_seq2_zero3",
          "deepseek_dense_first_ep2_pp2_tp2_1f1b")  # every leaf at step 0
 
 
@@ -145,11 +156,14 @@ def test_bf16_deepseek_matches_one_device(name):
         return cfg(extra=DEEPSEEK + list(extra), **kw)
 
     layout, model = DEEPSEEK_LAYOUTS[name]
+    truth = first_grads(deepseek(model + ["model.dtype=float32"]))[1] if name in GRADS else None
     _check(deepseek(**{**layout, "extra": layout["extra"] + model}),
-           reference_run(deepseek(model)), name in GRADS, 8 * U)
+           reference_run(deepseek(model)), name in GRADS, 8 * U, truth)
 
 
-def _check(c, reference, grads_too, bound):
+def _check(c, reference, grads_too, bound, truth=None):
+    """`truth`: one device's fp32 gradients; a leaf whose one-device bf16 gradient is farther
+    from them than `bound` may differ from it by 1.5 times that distance (module docstring)."""
     # first, before anything compiles: no gradient is summed over devices in bf16
     dtypes = reducer_dtypes(runtime.setup(c, devices_for(c)))
     assert dtypes and "bf16" not in dtypes, dtypes
@@ -161,5 +175,7 @@ def _check(c, reference, grads_too, bound):
         loss, grads = first_grads(c)
         assert abs(loss - ref_loss) / ref_loss < 1e-3 and grads.keys() == ref_grads.keys()
         for k, g in grads.items():
-            scale = np.max(np.abs(ref_grads[k]))
-            assert np.max(np.abs(g - ref_grads[k])) <= bound * scale, k
+            allowed = bound * np.max(np.abs(ref_grads[k]))
+            if truth is not None:
+                allowed = max(allowed, 1.5 * np.max(np.abs(ref_grads[k] - truth[k])))
+            assert np.max(np.abs(g - ref_grads[k])) <= allowed, k
