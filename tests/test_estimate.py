@@ -123,10 +123,16 @@ MOE_LAYOUTS = {
                                     "parallel.sequence_parallel=true parallel.remat=full "
                                     "parallel.pipeline_schedule=1f1b train.global_batch=8 "
                                     "train.microbatches=4",
+    # multi-token prediction (one more layer, lookup and head), ZeRO-3 without remat: the
+    # experts gathered once a step (autodiff keeps the shard_map's gather for the backward)
+    "moe, mtp, experts 2 x 2, tensor 2, zero3": MOE + "model.mtp_layers=1 mesh.data=4 "
+                                                      "mesh.expert=2 mesh.tensor=2 "
+                                                      "parallel.zero_stage=3 "
+                                                      "train.global_batch=8",
 }
 # where the analytic memory of an MoE layout holds within 5 % (docs/moe.md has the others)
 MOE_MEMORY = ["moe, experts 4 x 2, 2 accumulated", "moe, experts 2, tensor 2 SP",
-              "moe, capacity, experts 4 x 2"]
+              "moe, capacity, experts 4 x 2", "moe, mtp, experts 2 x 2, tensor 2, zero3"]
 
 
 @functools.cache

@@ -239,8 +239,11 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         g = pb if s is not None else c
         dense = [k for k in blocks if k not in experts and k not in skip]
         add("layers gathered (ZeRO-3)", "gather", group, size(dense, rules.compute) * g, uses)
+        # without a pipeline the experts are gathered inside their layer's shard_map, whose
+        # result autodiff keeps for the backward unless the layer is recomputed
+        again = s is not None or par.remat != "none"
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
-            uses)
+            uses if again else uses // 2)
         add("embedding and head gathered (ZeRO-3)", "gather", group,  # per MTP depth again
             size(["embed", "final_norm/scale"], rules.compute) * pb
             + size(["head"], rules.compute) * g, 1 + m.mtp_layers)
