@@ -118,10 +118,9 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
     # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
     restage = bwd * (redone(plan) - (1 if remat == "full" else 0))
 
-    # tensor: per layer two row-parallel outputs reduced and two input gradients (under SP
-    # each a gather and a reduce-scatter: four and four); full remat's recompute skips the
-    # layer's last reduction (its output is not needed), save_dots under SP gathers the norms'
-    # outputs again
+    # tensor: per layer two row-parallel outputs reduced and two input gradients (under SP each
+    # a gather and a reduce-scatter: four and four); full remat's recompute skips the layer's
+    # last reduction (its output is not needed), save_dots under SP gathers the norms' again
     act = n * m.d_model * c
     f = 4 if sp else 2
     again = {"none": 0, "save_dots": f - 2, "full": f - 1}[remat]
@@ -225,9 +224,10 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         add("embedding gradient", "reduce", rows_split + (SEQ,), embed, times * (1 + m.mtp_layers))
 
     # parameters gathered over data: ZeRO-1/2 once, after the update, as stored; ZeRO-3 the
-    # layers before each use (forward, backward; a recompute reuses the backward's), cast to
-    # the compute dtype first (`sharding.use_param`), and the embedding (as stored) and head
-    # once; with a pipeline the stage's layers as stored, once per step (or per tick)
+    # layers before each use (forward, backward; a recompute reuses the backward's; the experts'
+    # gather, in their shard_map, autodiff keeps for the backward unless it recomputes), cast
+    # to the compute dtype first (`sharding.use_param`), the embedding (as stored) and head once;
+    # with a pipeline the stage's layers as stored, once per step (or per tick)
     state = state_bytes(plan)
     if rules.opt["embed"] is not None and not rules.params_over_batch:
         held = size(experts, rules.params) * pb  # the experts': over their replicas only
@@ -239,11 +239,8 @@ def transfers(plan) -> list[tuple[str, str, tuple, float]]:
         g = pb if s is not None else c
         dense = [k for k in blocks if k not in experts and k not in skip]
         add("layers gathered (ZeRO-3)", "gather", group, size(dense, rules.compute) * g, uses)
-        # without a pipeline the experts are gathered inside their layer's shard_map, whose
-        # result autodiff keeps for the backward unless the layer is recomputed
-        again = s is not None or par.remat != "none"
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
-            uses if again else uses // 2)
+            uses if s is not None or par.remat != "none" else uses // 2)
         add("embedding and head gathered (ZeRO-3)", "gather", group,  # per MTP depth again
             size(["embed", "final_norm/scale"], rules.compute) * pb
             + size(["head"], rules.compute) * g, 1 + m.mtp_layers)
