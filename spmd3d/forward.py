@@ -205,6 +205,11 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
             loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
 
 
+def token_ids(tokens_bt1):
+    """The ids of a token block, a token stored as -(id + 1) (not trained on as a label) too."""
+    return jnp.where(tokens_bt1 < 0, -tokens_bt1 - 1, tokens_bt1)
+
+
 def labelled(tokens_bt1, eot: int | None):
     """(inputs[B, T], labels[B, T], segments[B, T] or None) of a [B, T+1] token block. A token
     stored as -(id + 1) is not trained on as a label (chat data: the prompts'); with packed
@@ -212,7 +217,7 @@ def labelled(tokens_bt1, eot: int | None):
     holds its end-of-text token), and the label after an end of text (the next document's
     first token, which nothing in the document predicts) is not trained on either, so each
     document trains as it would alone. A label not trained on is -1."""
-    ids = jnp.where(tokens_bt1 < 0, -tokens_bt1 - 1, tokens_bt1)
+    ids = token_ids(tokens_bt1)
     inputs, labels = ids[:, :-1], jnp.where(tokens_bt1[:, 1:] < 0, -1, ids[:, 1:])
     if eot is None:
         return inputs, labels, None
@@ -233,7 +238,7 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
     inputs, labels, segments = labelled(tokens_bt1, plan.eot)
     depths = plan.cfg.model.mtp_layers  # multi-token prediction's ids and labels
-    ahead = mtp.targets(tokens_bt1, labels, segments, depths) if depths else None
+    ahead = mtp.targets(token_ids(tokens_bt1), labels, segments, depths) if depths else None
     positions = np.arange(inputs.shape[1])
     if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
         positions = np.asarray(plan.seq_order)

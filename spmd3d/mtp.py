@@ -67,13 +67,13 @@ class Depth(nnx.Module):
         return self.block(x_btd, pos, ops)
 
 
-def targets(tokens_bt1, labels_bt, segments_bt, depths: int):
-    """(ids[K, B, T], labels[K, B, T]): what depth k embeds at position i (token i + k) and
+def targets(ids_bt1, labels_bt, segments_bt, depths: int):
+    """(ids[K, B, T], labels[K, B, T]) of a block's token ids[B, T+1] (`forward.token_ids`)
+    and main labels: what depth k embeds at position i (token i + k) and
     what it predicts (token i + k + 1: the main labels k further on), -1 past the end, where the
     main label is not trained on, and (packed documents) where position i + k is in another
     document than position i."""
-    ids = jnp.where(tokens_bt1 < 0, -tokens_bt1 - 1, tokens_bt1)
-    t = labels_bt.shape[1]
+    ids, t = ids_bt1, labels_bt.shape[1]
     out_ids, out_labels = [], []
     for k in range(1, depths + 1):
         out_ids.append(ids[:, k:k + t] if k == 1 else jnp.pad(ids[:, k:], ((0, 0), (0, k - 1))))
