@@ -237,7 +237,7 @@ def bytes_per_axis(colls: list[Collective], mesh_shape: dict) -> dict:
     it moves (its result); loop trips included, and an operation over several axes counted on
     each (what a hierarchical algorithm moves over each). So an all-reduce followed by a
     slice, or a reduce-scatter, or one reduction over two axes, or one over each, count alike:
-    `plan.estimate.transfers` is compared with these."""
+    `plan.traffic.transfers` is compared with these."""
     out = {a: 0.0 for a in mesh_shape}
     for c in colls:
         group = int(np.prod([mesh_shape[a] for a in c.axes])) if c.axes else 1

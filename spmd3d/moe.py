@@ -185,7 +185,7 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *,
 
 def traffic(m, expert: int, tensor: str, tokens: int, c: int, forwards: float, restaged: float,
             backwards: float, recomputes: bool) -> list[tuple[str, str, str, float]]:
-    """What MoE layers move in a step, per device, for the planner (`plan.estimate.transfers`):
+    """What MoE layers move in a step, per device, for the planner (`plan.traffic.transfers`):
     (what, kind, mesh axis, bytes), counted as the compiled step's are; read from the HLO of
     Mixtral 8x22B's compiled step and the MoE layouts of `tests/test_estimate.py`. `m`: the
     model config; `expert`: the expert degree; `tensor`: how the layer meets a tensor split,

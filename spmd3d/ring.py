@@ -289,7 +289,7 @@ def traffic(ring: int, gathered: bool, kv: float, kv_grads: float, forwards: flo
             restaged: float, redone: float, backwards: float,
             inlined: bool) -> list[tuple[str, str, float]]:
     """What this module's kernels move over `seq` in a step, per device, for the planner
-    (`plan.estimate.transfers`): (what, kind, bytes), counted as the compiled step's are (a
+    (`plan.traffic.transfers`): (what, kind, bytes), counted as the compiled step's are (a
     permute by the bytes it moves, a gather by those it gathers, a reduce-scatter by those it
     reduces). `ring`: the seq degree; `gathered`: ZB-H1's kernel, which gathers the sequence's
     K and V, not the ring; `kv`: one layer pass's K (or V) block on a device, in the compute

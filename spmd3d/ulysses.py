@@ -40,7 +40,7 @@ def ulysses_local(q, k, v, axis: str, n: int, local, segments=None):
 def traffic(n: int, q: float, kv: float, forwards: float, redone: float, backwards: float,
             ids: float = 0.0) -> list[tuple[str, str, float]]:
     """What this module moves over its axis in a step, per device, for the planner
-    (`plan.estimate.transfers`): (what, kind, bytes), an all-to-all counted by the bytes it
+    (`plan.traffic.transfers`): (what, kind, bytes), an all-to-all counted by the bytes it
     moves, a gather by those it gathers. `q`: one layer pass's queries on a device in the
     compute dtype (the output is as large), `kv`: its K (or V); the layer passes a device
     runs: `forwards`, `redone` (forwards a recompute redoes), `backwards` (each moves the

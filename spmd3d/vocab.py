@@ -78,7 +78,7 @@ def loss_chunks(tokens: int, chunk: int) -> int:
 def traffic(d_model: int, tokens: int, head_tokens: int, table_bytes: int, c: int,
             sequence_parallel: bool) -> list[tuple[str, str, float]]:
     """What the vocabulary's two ends move over `tensor` in a step, per device, for the
-    planner (`plan.estimate.transfers`): (what, kind, bytes). The lookup's psum of its vocab
+    planner (`plan.traffic.transfers`): (what, kind, bytes). The lookup's psum of its vocab
     shards (in fp32 at least: `manual.psum`) over the step's `tokens` on a device, the head's
     input gradient (fp32) over the tokens the head runs on (`head_tokens`: a schedule that
     runs the head in each steady tick counts its runs); under SP (`sequence_parallel`) the

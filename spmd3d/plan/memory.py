@@ -271,7 +271,7 @@ def activation_bytes(plan) -> dict:
     m = cfg.model
     if m.is_moe and s is not None and deg.tensor > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
-        # (`estimate.transfers`): the backward's three sums of [R, D] (R = expert x tokens x
+        # (`traffic.transfers`): the backward's three sums of [R, D] (R = expert x tokens x
         # min(k, local experts)) run as one all-reduce, their results beside their inputs
         ep = deg.expert
         rows = ep * min(m.experts_per_token, m.num_experts // ep)  # per token of the device

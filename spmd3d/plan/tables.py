@@ -15,7 +15,7 @@ from .memory import F32, _slots, itemsize, over_stage, param_shapes, shard_size
 def traffic(plan, act: float, f: int, again: int) -> list[tuple[str, str, tuple, float]]:
     """(what, kind, mesh axes, bytes per device per step) of the dense layers -- their
     activations' sums over `tensor` (`act` bytes a pass, `f` a forward's sums, `again` those a
-    recompute adds: `estimate.transfers`' figures for a layer), and in a pipeline their
+    recompute adds: `traffic.transfers`' figures for a layer), and in a pipeline their
     weights' gathers and gradients' sums -- and of the head and embedding gathered over the
     stages. A pipeline's dense layer runs forward twice under a remat policy (its own
     checkpoint's recompute, then each slot's inside), gathers its weights for each, and sums
