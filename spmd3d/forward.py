@@ -15,11 +15,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import attention, mtp, pipeline
 from . import ops as ops_lib
-from .manual import unroll, vary, without
+from .manual import psum, unroll, vary, without
 from .ops import Ops
 from .pipeline import run as pipelined
 from .plan import Plan
-from .sharding import activation_rules, flat_axes, mesh_axes, use_param
+from .sharding import activation_rules, flat_axes, mesh_axes, stack_specs, use_param
 
 
 def _layer_remat(policy: str) -> str:
@@ -73,41 +73,55 @@ def _outer_ops(plan: Plan) -> Ops:
                                 tile=plan.cfg.model.attention_tile, local=plan.attention_local))
 
 
+def _slot_map(plan: Plan, fn, weights, slots, rope, summed: bool = False):
+    """`fn(weights, slot, rope, ops)` on each of n slots (a pytree of [n, rows, T, ...]
+    leaves: the rows over `stage` and the batch's axes) one at a time, per device, manual
+    over the rows' axes and the ring's, as a pipeline's stage runs (`ops`: its attention,
+    the ring's per-device kernel): a slot's working set at a time, and the weights'
+    gradient summed over those axes once, not once per slot. An expert weight keeps its
+    experts split where their axis is manual (`stack_specs`); `summed`: `fn` returns a
+    number, summed over the slots and the devices, else the slot's new first leaf."""
+    rules = plan.rules
+    seq_axis = rules.compute["length"] if plan.attention in attention.SPLIT else None
+    rows_axes = flat_axes(rules.compute["layers"], rules.compute["batch"])
+    manual = rows_axes + mesh_axes(seq_axis)
+    inner = without(rules.compute, manual)
+    ops = Ops(attention.select(plan.attention, seq_axis, plan.mesh, manual=True,
+                               tile=plan.cfg.model.attention_tile, local=plan.attention_local))
+    tokens = P(None, rows_axes, seq_axis)
+    specs = stack_specs(weights, None, 0, manual) if summed else P()
+
+    def per_device(weights, slots, rope):
+        weights = jax.tree.map(lambda a: vary(a, manual), weights)  # summed at the boundary
+        with activation_rules(inner, None, inner):
+            out = jax.lax.map(lambda slot: fn(weights, slot, rope, ops), slots)
+        return psum(jnp.sum(out), manual) if summed else out
+
+    return jax.shard_map(per_device, mesh=plan.mesh, axis_names=set(manual),
+                         in_specs=(specs, jax.tree.map(lambda _: tokens, slots),
+                                   P(None, seq_axis)),
+                         out_specs=P() if summed else tokens)(weights, slots, rope)
+
+
 def _dense_by_slot(plan: Plan, model, x, rope, segments):
     """The dense layers before a pipeline on x[n, rows, T, D]: n slots of rows, the rows over
     `stage` and the batch's axes. Layer by layer: each layer's weights are gathered once (over
     `stage`, where the tables outside the pipeline are split, and ZeRO-3's data; in the
     parameter dtype, so that the slots' gradients sum in it), then run on one slot at a time
-    (a layer's working set is a slot's) per device, manual over the rows' axes and the ring's,
-    as a pipeline's stage runs: the weights' gradient is summed over them once per layer, not
-    once per slot. Under a remat policy each layer keeps its input alone; its backward gathers
+    (`_slot_map`). Under a remat policy each layer keeps its input alone; its backward gathers
     again, runs the slots forward and back (each slot's layer recomputed by its own policy)
     and reduces the gradient. Gathered and reduced inside the slot loop instead, the weights
     crossed `stage` once per slot and pass: 64.5 GB of gathers and 25.4 GB of reductions a
     step at DeepSeek-V3's preset."""
-    rules, par = plan.rules, plan.cfg.parallel
-    seq_axis = rules.compute["length"] if plan.attention in attention.SPLIT else None
-    rows_axes = flat_axes(rules.compute["layers"], rules.compute["batch"])
-    manual = rows_axes + mesh_axes(seq_axis)
-    inner = without(rules.compute, manual)
-    one = model.layer(_layer_remat(par.remat), Ops(attention.select(
-        plan.attention, seq_axis, plan.mesh, manual=True, tile=plan.cfg.model.attention_tile,
-        local=plan.attention_local)), model.dense)
-    tokens = P(None, rows_axes, seq_axis)
+    par = plan.cfg.parallel
 
-    def per_device(params, x, rope, segments):
-        params = jax.tree.map(lambda a: vary(a, manual), params)  # summed at the boundary
-        with activation_rules(inner, None, inner):
-            def slot(args):
-                x, seg = args
-                return one(params, x, rope._replace(segments=seg))
-
-            return jax.lax.map(slot, (x, segments))
+    def one(params, slot, rope, ops):
+        x, seg = slot
+        return model.layer(_layer_remat(par.remat), ops, model.dense)(
+            params, x, rope._replace(segments=seg))
 
     def layer(x, params):
-        return jax.shard_map(per_device, mesh=plan.mesh, axis_names=set(manual),
-                             in_specs=(P(), tokens, P(None, seq_axis), tokens),
-                             out_specs=tokens)(_gather_blocks(params), x, rope, segments), None
+        return _slot_map(plan, one, _gather_blocks(params), (x, segments), rope), None
 
     if par.remat != "none":
         layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable,
@@ -117,7 +131,7 @@ def _dense_by_slot(plan: Plan, model, x, rope, segments):
                             unroll=unroll() or not par.scan_layers)[0]
 
 
-def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, segments=None):
+def _pipelined_loss(plan: Plan, graphdef, params, inputs, targets, positions, segments=None):
     """Summed loss through the pipeline. The microbatches are laid out over the stages
     ([p, mb, n, T] by `Schedule.feed` and `collect`), so the embedding before the pipeline
     and the head and loss after it run on the whole mesh, each stage taking its share of the
@@ -158,6 +172,13 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
     def unrows(a, n):
         return a.reshape((p, -1, n) + a.shape[1:])
 
+    def by_slots(a):  # [p, mb, n, T, ...] <-> [n, p * mb, T, ...]: one slot of every stage
+        a = jnp.moveaxis(a, 2, 0)
+        return a.reshape((a.shape[0], -1) + a.shape[3:])
+
+    def unslots(a):
+        return jnp.moveaxis(a.reshape((a.shape[0], p, -1) + a.shape[2:]), 0, 2)
+
     tokens, rope = slots(inputs, 0, collect=False), model.rope(positions)
     # packed documents: each microbatch's ids, on every stage ([m, mb, T], as the labels)
     per_mb = NamedSharding(plan.mesh, P(None, data, rules.compute["length"]))
@@ -167,14 +188,9 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
     with activation_rules(outer, plan.mesh, rules.grads):
         x = unrows(model.embed_tokens(rows(tokens)), tokens.shape[2])
         if model.dense is not None:  # the dense layers before the stack, where the embedding
-            # runs: [p, mb, n, T, D] -> one slot of every stage at a time, [n, p mb, T, D]
-            seg = (None if segments_bt is None else
-                   jnp.moveaxis(slots(segments_bt, 0, False), 2, 0).reshape(
-                       (tokens.shape[2], -1, tokens.shape[-1])))
-            slot_x = jnp.moveaxis(x, 2, 0)
-            y = _dense_by_slot(plan, model, slot_x.reshape(slot_x.shape[:1] + (-1,) +
-                                                           slot_x.shape[3:]), rope, seg)
-            x = jnp.moveaxis(y.reshape(slot_x.shape), 0, 2)
+            # runs: one slot of every stage at a time
+            seg = None if segments_bt is None else by_slots(slots(segments_bt, 0, False))
+            x = unslots(_dense_by_slot(plan, model, by_slots(x), rope, seg))
     # inside the pipeline's shard_map, constraints resolve against its context mesh
     # (no manual axis in them: the tables outside the pipeline split over `stage` are used
     # inside it whole, the head's gradient summed by the shard_map)
@@ -182,27 +198,38 @@ def _pipelined_loss(plan: Plan, graphdef, params, inputs, labels, positions, seg
     where = dict(active=plan.active, batch_axis=batch_axis, seq_axis=seq_axis,
                  stage_remat=par.remat == "stage", segments=segments)
 
+    depths = _depths(model, par)
+
     def gpipe_loss(blocks, head, x):  # the GPipe forward, then the head and loss on every stage
         with activation_rules(inner, None, grads):
             x = pipelined.forward(blocks, x, rope, replace(schedule, kind="gpipe").table(), axis,
                                   plan.mesh, stage=stage, **where)
         with activation_rules(outer, plan.mesh, rules.grads):
-            y, labels_out = rows(x), rows(slots(labels, -1, collect=True))
-            return model.loss_with(head, y, labels_out, par.loss_chunk)[0]
+            out = jax.tree.map(lambda a: slots(a, -1, collect=True), targets)
+            total = model.loss_with(head, rows(x), rows(out["labels"]), par.loss_chunk)[0]
+        if depths is None:
+            return total
+        # multi-token prediction's depths one slot of every stage at a time (an MoE layer's
+        # balancing statistics are a microbatch's, as in the stack)
+        seg = None if segments_bt is None else by_slots(slots(segments_bt, 0, collect=True))
+        return total + _slot_map(
+            plan, lambda w, slot, rope, ops: depths(w, slot[0], slot[1], rope._replace(
+                segments=slot[2]), ops),
+            head, (by_slots(x), jax.tree.map(by_slots, out), seg), rope, summed=True)
 
     if not schedule.head_inside:
         return gpipe_loss(blocks, model.head_weights(), x)
     # 1F1B and ZB-H1: the head runs on the last stage inside the schedule, which needs every
     # label there
-    labels_mb = jax.lax.with_sharding_constraint(microbatches(labels, m), per_mb)
+    targets_mb = jax.tree.map(
+        lambda a: jax.lax.with_sharding_constraint(microbatches(a, m), per_mb), targets)
     # ZB-H1 splits each layer's backward with the ops tapped
     split = ops_lib.split(model, ops)
     with activation_rules(inner, None, grads):
         return pipelined.loss_and_grads(
-            blocks, model.head_weights(), x, labels_mb, rope, schedule.table(), axis, plan.mesh,
-            layer=model.layer(_layer_remat(par.remat), ops), scan=par.scan_layers,
-            forward=gpipe_loss, split=split, **where,
-            loss=lambda head, y, lab: model.loss_with(head, y, lab, par.loss_chunk)[0])
+            blocks, model.head_weights(), x, targets_mb, rope, schedule.table(), axis,
+            plan.mesh, layer=model.layer(_layer_remat(par.remat), ops), scan=par.scan_layers,
+            forward=gpipe_loss, split=split, loss=after_stack(model, par, ops), **where)
 
 
 def token_ids(tokens_bt1):
@@ -234,19 +261,58 @@ def label_count(plan: Plan, tokens_bt1):
     return jnp.sum(labelled(tokens_bt1, plan.eot)[1] >= 0)
 
 
+def _depths(model, par):
+    """`loss(weights, y, targets, rope, ops)`: multi-token prediction's depths' summed loss
+    after the stack's output y (`mtp.loss_sum`), their layers run with `ops`; None when off."""
+    if model.mtp is None:
+        return None
+
+    def loss(weights, y, targets, rope, ops):
+        return mtp.loss_sum(model, weights, y, targets["ids"], targets["ahead"], rope,
+                            model.layer(_layer_remat(par.remat), ops, model.mtp),
+                            par.loss_chunk)
+
+    return loss
+
+
+def after_stack(model, par, ops: Ops):
+    """`loss(weights, y, targets, rope) -> summed loss` of the stack's output y: the head's
+    next-token loss, and multi-token prediction's depths' (`_depths`), with the head's stored
+    `weights` (`model.head_weights`), `targets` as `_targets` makes them and `rope` the
+    `Positions` of y's tokens (the depths' layers use them). The one loss wherever the head
+    runs: after the stack, or per microbatch on a 1F1B or ZB-H1 pipeline's last stage (after
+    GPipe's, the depths run per slot: `_pipelined_loss`)."""
+    depths = _depths(model, par)
+
+    def loss(weights, y, targets, rope):
+        total = model.loss_with(weights, y, targets["labels"], par.loss_chunk)[0]
+        return total if depths is None else total + depths(weights, y, targets, rope, ops)
+
+    return loss
+
+
+def _targets(plan: Plan, tokens_bt1, labels, segments) -> dict:
+    """What the loss after the stack compares with, [B, T] leaves: {"labels"}, and with
+    multi-token prediction the depths' "ids" and "ahead" labels (K each, `mtp.targets`)."""
+    depths = plan.cfg.model.mtp_layers
+    if not depths:
+        return {"labels": labels}
+    ids, ahead = mtp.targets(token_ids(tokens_bt1), labels, segments, depths)
+    return {"labels": labels, "ids": ids, "ahead": ahead}
+
+
 def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     """Summed next-token cross-entropy (fp32) over a [B, T+1] token block, and the count."""
     inputs, labels, segments = labelled(tokens_bt1, plan.eot)
-    depths = plan.cfg.model.mtp_layers  # multi-token prediction's ids and labels
-    ahead = mtp.targets(token_ids(tokens_bt1), labels, segments, depths) if depths else None
+    targets = _targets(plan, tokens_bt1, labels, segments)
     positions = np.arange(inputs.shape[1])
     if plan.seq_order is not None:  # zig-zag under ring attention: a permutation
         positions = np.asarray(plan.seq_order)
-        inputs, labels = inputs[:, positions], labels[:, positions]
+        inputs = inputs[:, positions]
         segments = None if segments is None else segments[:, positions]
-        ahead = None if ahead is None else tuple(a[:, :, positions] for a in ahead)
+        targets = jax.tree.map(lambda a: a[:, positions], targets)
     if plan.pipelined:
-        return _pipelined_loss(plan, graphdef, params, inputs, labels, positions,
+        return _pipelined_loss(plan, graphdef, params, inputs, targets, positions,
                                segments), labels.size
     # storage order is canonical without a pipeline
     model, par, ops = nnx.merge(graphdef, params), plan.cfg.parallel, _outer_ops(plan)
@@ -258,8 +324,4 @@ def loss_sum(plan: Plan, graphdef, params, tokens_bt1):
     x = model.dense_layers(_layer_remat(par.remat), par.scan_layers, ops)(
         model.embed_tokens(inputs), rope)
     x = run(nnx.state(model.blocks), x, rope)
-    total, count = model.loss(x, labels, par.loss_chunk)
-    if ahead is not None:
-        total += mtp.loss_sum(model, x, *ahead, rope,
-                              model.layer(_layer_remat(par.remat), ops, model.mtp), par.loss_chunk)
-    return total, count
+    return after_stack(model, par, ops)(model.head_weights(), x, targets, rope), labels.size

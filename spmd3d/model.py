@@ -215,10 +215,13 @@ class Transformer(nnx.Module):
                            functools.partial(mtp.Depth, block=Block))
                     if cfg.mtp_layers else None)
 
-    def embed_tokens(self, tokens_bt):
-        """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype (`embed_lookup`)."""
+    def embed_tokens(self, tokens_bt, table=None):
+        """tokens[B_data, T] -> x[B_data, T_res, D] in the compute dtype (`embed_lookup`), from
+        the stored table or the given one (`head_weights()["embed"]`, with MTP)."""
         with jax.named_scope("embed"):
-            x = embed_lookup(use(self.embed, self.cfg.param_dtype), tokens_bt)
+            table = self.embed[...] if table is None else table
+            x = embed_lookup(use_param(table, self.embed.get_metadata("axes"),
+                                       self.cfg.param_dtype), tokens_bt)
             return constrain(x.astype(self.cfg.dtype), ("batch", "res_length", "embed"))
 
     def rope(self, positions_t, segments=None) -> Positions:
@@ -298,8 +301,13 @@ class Transformer(nnx.Module):
         return self.loss_with(self.head_weights(), x_btd, labels_bt, chunk)
 
     def head_weights(self) -> dict:
-        """The stored weights `loss` uses: {"scale": final norm [D], "head": [D, V]}."""
-        return {"scale": self.final_norm.scale[...], "head": self.head[...]}
+        """The stored weights the loss after the stack uses: {"scale": final norm [D], "head":
+        [D, V]}, and with multi-token prediction the depths' too: "embed" [V, D] (theirs is
+        the model's) and "mtp" (their stack's state)."""
+        out = {"scale": self.final_norm.scale[...], "head": self.head[...]}
+        if self.mtp is not None:
+            out.update(embed=self.embed[...], mtp=nnx.state(self.mtp))
+        return out
 
     def loss_with(self, weights, x_btd, labels_bt, chunk: int = 0):
         """`loss` with the head's stored `weights` (`head_weights`) given as arguments: what a

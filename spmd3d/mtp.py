@@ -15,6 +15,12 @@ The step reports the depths' mean cross-entropy as `mtp_loss`: each depth's sum 
 gradient of a zero probe (`untrained.Untrained`'s protocol). Per device MTP costs K layers'
 weights and their activations for the backward, and K more head-and-loss passes of the
 microbatch; off (K = 0), the model holds nothing of it.
+
+The depths run where the head does (`forward.after_stack`), with the head's weights, which
+then hold the embedding and the depths' stack too (`Transformer.head_weights`): after the
+stack; in a 1F1B or ZB-H1 pipeline on the last stage, per microbatch, inside the schedule;
+after GPipe's, one slot of every stage at a time (an MoE depth's balancing statistics are a
+microbatch's, as the stack's are).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layers import RMSNorm, param, use
-from .sharding import constrain
+from .layers import RMSNorm, param, rms_norm, use
+from .sharding import constrain, use_param
 from .untrained import Untrained
 
 
@@ -68,7 +74,7 @@ class Depth(nnx.Module):
 
 
 def targets(ids_bt1, labels_bt, segments_bt, depths: int):
-    """(ids[K, B, T], labels[K, B, T]) of a block's token ids[B, T+1] (`forward.token_ids`)
+    """(ids, labels), K [B, T] each, of a block's token ids[B, T+1] (`forward.token_ids`)
     and main labels: what depth k embeds at position i (token i + k) and
     what it predicts (token i + k + 1: the main labels k further on), -1 past the end, where the
     main label is not trained on, and (packed documents) where position i + k is in another
@@ -82,23 +88,28 @@ def targets(ids_bt1, labels_bt, segments_bt, depths: int):
             ahead = jnp.pad(segments_bt[:, k:], ((0, 0), (0, k)), constant_values=-1)
             labels = jnp.where(ahead == segments_bt, labels, -1)
         out_labels.append(labels)
-    return jnp.stack(out_ids), jnp.stack(out_labels)
+    return tuple(out_ids), tuple(out_labels)
 
 
-def loss_sum(model, x_btd, ids_kbt, labels_kbt, rope, layer, chunk: int):
+def loss_sum(model, weights, x_btd, ids, labels, rope, layer, chunk: int):
     """The depths' weighted summed cross-entropy (plus their probes, zero) after the stack's
-    output x (before the final norm); `layer`: `model.layer(remat, ops, model.mtp)`."""
+    output x (before the final norm), with the head's stored `weights` (`model.head_weights`:
+    the final norm, head, embedding and the depths' stack); `ids` and `labels`: K [B, T] each
+    (`targets`); `layer`: `model.layer(remat, ops, model.mtp)`."""
     cfg = model.cfg
-    state, head = model.final_norm(x_btd), model.head_weights()["head"]
-    graphdef, stacked = nnx.graphdef(model.mtp), nnx.state(model.mtp)
+    names = model.final_norm.scale.get_metadata("axes")  # the final norm, with `weights`
+    state = rms_norm(x_btd, use_param(weights["scale"], names, jnp.float32), cfg.norm_eps)
+    graphdef = nnx.graphdef(model.mtp)
     total = jnp.zeros((), jnp.float32)
     for k in range(cfg.mtp_layers):
-        params = jax.tree.map(lambda a: a[k], stacked)
+        params = jax.tree.map(lambda a: a[k], weights["mtp"])
         depth = nnx.merge(graphdef, params)
         with jax.named_scope(f"mtp{k + 1}"):
-            y = layer(params, depth.combine(state, model.embed_tokens(ids_kbt[k])), rope)
-            ce = model.loss_with({"scale": depth.post_norm.scale[...], "head": head}, y,
-                                 labels_kbt[k], chunk)[0]
+            # (an id of -1: a padding row's, whose labels are all -1)
+            embedded = model.embed_tokens(jnp.maximum(ids[k], 0), weights["embed"])
+            y = layer(params, depth.combine(state, embedded), rope)
+            ce = model.loss_with({"scale": depth.post_norm.scale[...], "head": weights["head"]},
+                                 y, labels[k], chunk)[0]
         total += cfg.mtp_loss_weight / cfg.mtp_layers * ce + depth.stats.probe[0] * \
             jax.lax.stop_gradient(ce)
         state = depth.post_norm(y)

@@ -63,12 +63,16 @@ def flat_axes(*axes) -> tuple:
     return tuple(b for a in axes for b in mesh_axes(a))
 
 
-def stack_specs(blocks, axis: str, lead: int, manual):
+def stack_specs(blocks, axis: str | None, lead: int, manual):
     """PartitionSpecs of the stacked layers [p, <lead dims>, ...] for a shard_map manual over
     `manual` (a pipeline's): split over the stage axis, and an expert weight's `experts` dim
-    over the expert axis where that is manual too (each device keeps its own experts)."""
+    over the expert axis where that is manual too (each device keeps its own experts). With
+    `axis` None, of a stack every stage uses whole (a pipeline's head's: multi-token
+    prediction's depths), beside which a leaf that is no Variable is whole too."""
     def one(v):
-        names = v.get_metadata("axes")[1:]  # after `layers`
+        if not isinstance(v, nnx.Variable):
+            return P()
+        names = v.get_metadata("axes")[1:]  # after `layers` (or the stack's own name)
         split = [EXPERT if n == "experts" and EXPERT in manual else None for n in names]
         return P(axis, *([None] * lead), *split)
 
@@ -163,8 +167,10 @@ class ZeroRules:
         def plus(axes):  # (the tables outside a pipeline may hold it already)
             return axes if STAGE in mesh_axes(axes) else flat_axes(axes, STAGE)
 
-        def add_stage(rules: Rules) -> Rules:
-            return rules.with_(layers=None, embed=plus(rules["embed"]), norm=plus(rules["norm"]))
+        def add_stage(rules: Rules) -> Rules:  # (spare: an array with both widths, MTP's
+            # `eh_proj`, splits the first)
+            changed = rules.with_(layers=None, embed=plus(rules["embed"]), norm=plus(rules["norm"]))
+            return Rules(changed.table, tuple(dict.fromkeys(rules.spare + (STAGE,))))
 
         return ZeroRules(self.compute, add_stage(self.params), add_stage(self.grads),
                          add_stage(self.opt))

@@ -109,7 +109,7 @@ def embed_lookup(table_vd, ids_bt):
     fp32 [V, D] per device. So too where a pipeline's stages split the table by D.
     """
     layout = current_layout()
-    shards = per_device(layout, extra="vocab")
+    shards = per_device(layout, ids_bt, extra="vocab")  # (inside a pipeline: its head's MTP)
     axis = shards.extra[0] if shards.extra else None
     split = () if layout is None else tuple(a for a in mesh_axes(layout.grads["embed"])
                                             if a in shards.tokens)

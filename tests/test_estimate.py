@@ -101,6 +101,10 @@ MEMORY_LAYOUTS = {
     "interleaved 1f1b, tensor 2": "mesh.data=2 mesh.stage=2 mesh.tensor=2 "
                                   "parallel.pipeline_schedule=1f1b parallel.pipeline_repeats=2 "
                                   "parallel.remat=full train.global_batch=8 train.microbatches=4",
+    # multi-token prediction after GPipe's pipeline, one slot at a time (`forward._slot_map`)
+    "gpipe, mtp, tensor 2": "model.mtp_layers=1 mesh.data=2 mesh.stage=2 mesh.tensor=2 "
+                            "parallel.pipeline_schedule=gpipe parallel.remat=full "
+                            "train.global_batch=8 train.microbatches=4",
 }
 
 # Mixture-of-Experts (8 experts of width 1408, top-2): the experts split 4 ways x 2 replicas
@@ -129,6 +133,13 @@ MOE_LAYOUTS = {
                                                       "mesh.expert=2 mesh.tensor=2 "
                                                       "parallel.zero_stage=3 "
                                                       "train.global_batch=8",
+    # ... and in 1F1B's head on the last stage, per microbatch (its gradients summed with the
+    # head's, the depth's over `stage` too)
+    "moe, mtp, 1f1b, experts 2, tensor 2": MOE + "model.mtp_layers=1 mesh.data=2 mesh.expert=2 "
+                                                 "mesh.stage=2 mesh.tensor=2 "
+                                                 "parallel.pipeline_schedule=1f1b "
+                                                 "parallel.remat=full train.global_batch=8 "
+                                                 "train.microbatches=4",
 }
 # where the analytic memory of an MoE layout holds within 5 % (docs/moe.md has the others)
 MOE_MEMORY = ["moe, experts 4 x 2, 2 accumulated", "moe, experts 2, tensor 2 SP",

@@ -37,6 +37,14 @@ LAYOUTS = {
     "mtp_ep4_tp2_sp_zero3": dict(data=4, tensor=2, sp=True, zero=3, remat="full",
                                  extra=("mesh.expert=4",)),
     "mtp_ep2_ring2_tp2": dict(data=2, seq=2, tensor=2, extra=("mesh.expert=2",)),
+    # in a pipeline: the depths on the last stage after each microbatch's head (1F1B, ZB-H1),
+    # or after GPipe's pipeline on every stage's rows
+    "mtp_ep2_1f1b_tp2": dict(data=2, stage=2, tensor=2, remat="stage", extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=1f1b")),
+    "mtp_ep2_zb_h1_tp2_sp": dict(data=2, stage=2, tensor=2, sp=True, remat="full", extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=zb_h1")),
+    "mtp_ep2_gpipe_ring2_zero3": dict(data=2, stage=2, seq=2, zero=3, extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=gpipe")),
 }
 UNTRAINED = ("blocks/mlp/bias", "mtp/block/mlp/bias")
 
@@ -154,7 +162,6 @@ def test_export_writes_the_depth_back(hf_mtp, tmp_path):
 
 
 @pytest.mark.parametrize("change,blamed", [
-    (("mesh.stage=2", "train.microbatches=2"), "model.mtp_layers"),  # not in a pipeline yet
     (("model.mtp_layers=-1",), "model.mtp_layers"),
     (("model.mtp_loss_weight=-0.1",), "model.mtp_loss_weight")])
 def test_mtp_config_mistakes_name_their_field(change, blamed):
@@ -163,6 +170,24 @@ def test_mtp_config_mistakes_name_their_field(change, blamed):
     with pytest.raises(ConfigError) as e:
         small_config(extra=MLA + DEEPSEEK + MTP + change)
     assert e.value.field == blamed, str(e.value)
+
+
+def test_uneven_stages_hand_checkpoints_the_depths_split_over_stage_once():
+    """Uneven stages: checkpoints hold the canonical state, whose model widths take `stage`
+    (`ZeroRules.canonical`); MTP's `eh_proj` [2, D, D] has two, and splits the first."""
+    from spmd3d.step import canonical_state
+
+    cfg = mtp_config(data=2, stage=2, tensor=2, extra=(
+        "mesh.expert=2", "model.num_layers=4", "model.dense_layers=1",
+        "parallel.pipeline_schedule=1f1b", "parallel.tables_over_stage=true"))
+    plan = Plan.resolve(cfg, jax.devices())
+    assert plan.padded
+    leaves = jax.tree_util.tree_flatten_with_path(canonical_state(plan)[1])[0]
+    specs = [s.spec for path, s in leaves if "eh_proj" in jax.tree_util.keystr(path)]
+    assert len(specs) == 3  # the weights and Adam's two moments
+    for spec in specs:
+        assert sum("stage" in jax.tree.leaves(tuple(a)) if isinstance(a, tuple) else a == "stage"
+                   for a in spec) == 1, spec
 
 
 def test_tables_over_stage_needs_a_width_the_stages_split():

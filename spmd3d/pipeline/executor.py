@@ -26,7 +26,7 @@ def zero_grads(stack, manual):
 
 class Executor:
     """Stage `s`'s operations on the buffers of `State`: `worker` runs its layers, `loss(head,
-    y, labels)` a microbatch's summed loss; x_in[mb, n, T, D] the microbatches this stage
+    y, labels, consts)` a microbatch's summed loss; x_in[mb, n, T, D] the microbatches this stage
     feeds in; `like`, the loop's initial state, shapes what an operation hands back; `ops`
     and `ends` the table's arrays."""
 
@@ -66,7 +66,8 @@ class Executor:
         y, res, ins = self.worker.forward(x, op["c"], where.cut, self._consts(op))
         if not head_on:
             return self.done(y=y, residuals=[x] if where.stage_remat else res)
-        total, dy, d_head = head_grads(self.loss, self.head, self.labels, y, op["mb"],
+        total, dy, d_head = head_grads(self.loss, self.head, self.labels, y,
+                                       self._consts(op), op["mb"],
                                        (op["kind"] == FORWARD) & (op["dy_to"] >= 0),
                                        where.manual)
         return self.done(y=y, residuals=[x] if where.stage_remat else res,

@@ -117,8 +117,9 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
 
     blocks[L, ...] in storage order (stage s's chunks together); `layer(params, x, consts,
     on[, zeros])` one layer under its remat policy; head: the head's weights (`loss(head, y,
-    labels)` is a microbatch's summed loss); x_in[p, mb, n, T, D]: the embedded microbatches
-    laid out by `Schedule.feed`; labels[m, mb, T] on every stage; consts: `Positions` [1, T, ...];
+    labels, consts)` is a microbatch's summed loss, with its layers' `consts`); x_in[p, mb, n,
+    T, D]: the embedded microbatches laid out by `Schedule.feed`; labels: [m, mb, T] leaves on
+    every stage; consts: `Positions` [1, T, ...];
     segments: None or packed documents' ids [m, mb, T], as the labels; `split` the model's
     tapped ops (`ops.split`), which a switch table's B and W need."""
     p, v = table.stages, table.repeats
@@ -134,6 +135,7 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
         s = jax.lax.axis_index(axis)
         # the stage axis, and the experts' where they are split over it
         own = jax.tree.map(lambda a: varying(jax.typeof(a)) | {axis}, stack)
+        head_own = jax.tree.map(lambda a: varying(jax.typeof(a)), head)
         # device-varying before the loop: each slot's gradients stay local, summed once after
         stack = jax.tree.map(lambda a: vary(a, where.others), stack)
         head = jax.tree.map(lambda a: vary(a, manual), head)
@@ -149,17 +151,19 @@ def train(blocks, head, x_in, labels, consts, table: Table, axis: str, mesh, *, 
             state = jax.lax.scan(partial(run.slot, lanes_on=lanes_on,
                                          head_on=head_on or where.cut),
                                  state, jnp.arange(begin, stop), unroll=unroll())[0]
-        return stage_results(*state.sums, state.belts.kept, manual, axis, own)
+        return stage_results(*state.sums, state.belts.kept, manual, axis, own, head_own)
 
     # each stage gets its [L/p, ...] share of `blocks` (storage order) and of the buffers
     stacks = jax.tree.map(lambda a: a.reshape((p, a.shape[0] // p) + a.shape[1:]), blocks)
     buffer = P(axis, batch_axis, None, seq_axis)  # [p, mb, n, T, D]
-    specs = stack_specs(stacks, axis, 1, manual)
+    specs, head_specs = stack_specs(stacks, axis, 1, manual), stack_specs(head, None, 0, manual)
     per_mb = P(None, batch_axis, seq_axis)
     total, g_stack, g_head, dx = jax.shard_map(
         per_stage, mesh=mesh, axis_names=set(manual),
-        in_specs=(specs, P(), buffer, per_mb, P(None, seq_axis), per_mb),
-        out_specs=(P(), specs, P(), buffer))(stacks, head, x_in, labels, consts, segments)
+        in_specs=(specs, head_specs, buffer, jax.tree.map(lambda _: per_mb, labels),
+                  P(None, seq_axis), per_mb),
+        out_specs=(P(), specs, head_specs, buffer))(stacks, head, x_in, labels, consts,
+                                                     segments)
     # gradients cast back to the parameters' dtypes
     g_blocks = jax.tree.map(lambda g, b: g.reshape(b.shape).astype(b.dtype), g_stack, blocks)
     return total, (g_blocks, jax.tree.map(lambda g, h: g.astype(h.dtype), g_head, head), dx)

@@ -173,15 +173,20 @@ class Worker:
         return jax.lax.scan(body, grads, jnp.arange(self.depth), unroll=self.unrolled)[0]
 
 
-def head_grads(loss, head, labels, y, i, last, manual):
+def head_grads(loss, head, labels, y, consts, i, last, manual):
     """If `last` (a forward the head follows): (loss, dloss/dy, dloss/dhead) of microbatch i's
-    output y (labels[m, ...]; `loss(head, y, labels)` its summed loss), else zeros."""
-    m = labels.shape[0]
-    lab = jax.lax.dynamic_index_in_dim(labels, jnp.clip(i, 0, m - 1), 0, keepdims=False)
-    lab = vary(jnp.where((i >= 0) & (i < m), lab, -1), manual)  # -1: not counted
+    output y (`labels`: [m, ...] leaves; `loss(head, y, labels, consts)` its summed loss, with
+    its layers' `consts`), else zeros."""
+    m = jax.tree.leaves(labels)[0].shape[0]
+
+    def pick(a):
+        a = jax.lax.dynamic_index_in_dim(a, jnp.clip(i, 0, m - 1), 0, keepdims=False)
+        return vary(jnp.where((i >= 0) & (i < m), a, -1), manual)  # -1: not counted
+
+    lab = jax.tree.map(pick, labels)
 
     def compute():
-        total, vjp_fn = jax.vjp(lambda h, y: loss(h, y, lab), head, y)
+        total, vjp_fn = jax.vjp(lambda h, y: loss(h, y, lab, consts), head, y)
         d_head, d_y = vjp_fn(jnp.ones_like(total))
         return total, d_y, d_head
 
@@ -201,16 +206,23 @@ def consts_of(consts, segments, mb):
     return consts._replace(segments=jax.lax.dynamic_index_in_dim(segments, mb, 0, False))
 
 
-def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, split):
-    """What the per-stage function returns, its sums done: the stage's layer gradients summed
-    over the manual axes but the stage's and those a weight is `split` over (once, after the
-    loop), the loss and head gradients over all of them."""
-    leaves, tree = jax.tree.flatten(g_stack)
+def _sum_over(tree, manual: tuple, split):
+    """Each leaf summed over the manual axes but those its `split` leaf names: one sum per
+    set of axes."""
+    leaves, treedef = jax.tree.flatten(tree)
     over = [tuple(a for a in manual if a not in own) for own in jax.tree.leaves(split)]
     for axes in set(over):  # one sum per set of axes (all of them but for split experts)
         which = [i for i, o in enumerate(over) if o == axes]
         for i, g in zip(which, psum([leaves[i] for i in which], axes)):
             leaves[i] = g
-    g_stack = tree.unflatten(leaves)
+    return treedef.unflatten(leaves)
+
+
+def stage_results(g_stack, g_head, total, dx_out, manual: tuple, axis: str, split, head_split):
+    """What the per-stage function returns, its sums done: the stage's layer gradients summed
+    over the manual axes but the stage's and those a weight is `split` over (once, after the
+    loop), the head's over all of them but those its weight is `head_split` over (multi-token
+    prediction's experts), the loss over all of them."""
+    g_stack = _sum_over(g_stack, manual, split)
     return (psum(total, manual), jax.tree.map(lambda a: a[None], g_stack),
-            psum(g_head, manual), dx_out[None])
+            _sum_over(g_head, manual, head_split), dx_out[None])

@@ -300,6 +300,25 @@ def _kernel_working(plan, mlp_recomputed: float) -> float:
     return max(0.0, held - mlp_recomputed) if kind == "blocked" else held
 
 
+def mtp_working(plan, kinds: dict) -> int:
+    """Multi-token prediction in a pipeline (`forward._pipelined_loss`): the depths run with
+    the head, per microbatch on the last stage (1F1B, ZB-H1) or per slot after GPipe's
+    pipeline, their backward at once: the main loss's logits piece kept meanwhile (one piece
+    per device), one depth's layer backward, and the depths' weights' gradient of the
+    microbatch beside their accumulator, in fp32; after GPipe's, the slot's gradient of the
+    head too, beside the head's (their shard_map sums the slots' at its boundary)."""
+    m, mesh = plan.cfg.model, dict(plan.mesh.shape)
+    if not m.mtp_layers:
+        return 0
+    shapes = param_shapes(m, len(plan.layer_order))
+    depths = sum(shard_size(s, names, plan.rules.compute, mesh)
+                 for k, (s, names) in shapes.items() if k.startswith("mtp/"))
+    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute, mesh)
+    gpipe = not plan.schedule.head_inside
+    return int(kinds["logits_loss"] // 3 + kinds["layer_working"] + 2 * depths * F32
+               + gpipe * head * F32)
+
+
 def memory(plan) -> dict:
     """Per-device bytes by kind (`footprint.by_kind`'s kinds, and `layer_working`), the
     temporaries and the total. The temporaries' peak: gradients, saved activations and the
@@ -331,13 +350,16 @@ def memory(plan) -> dict:
             and c < F32 and applies("head_gradient_fp32_copy")):
         loss += head // F32 * (F32 - c)
     kinds["w_stash"] = 0
+    kinds["mtp_working"] = mtp_working(plan, kinds) if s is not None else 0
     if s is not None and s.mode == "switch":  # the W stash waits beside the branches
         kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
-        peak = (1 + applies("branch_buffers")) * loss + layer + kinds["w_stash"]
+        peak = (1 + applies("branch_buffers")) * loss + kinds["mtp_working"] + layer + \
+            kinds["w_stash"]
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
-        peak = loss + layer
+        peak = loss + kinds["mtp_working"] + layer
     elif s is not None:  # GPipe's backward, autodiff of its slot loop
-        peak = max(loss, layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
+        peak = max(loss + kinds["mtp_working"],
+                   layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
     else:
         peak = max(loss, layer)
     del kinds["w_stash_per_pass"]  # a factor, not a kind

@@ -51,6 +51,16 @@ def _tokens(plan) -> int:
         deg.batch * deg.seq * (deg.stage if plan.schedule else 1))
 
 
+def _head_passes(plan) -> int:
+    """Microbatches a device runs the head on in a step: 1F1B and ZB-H1 run it in each steady
+    tick, under a conditional (`Schedule.head_runs`); else its tokens (`_tokens`) at once, or
+    after GPipe's pipeline multi-token prediction's depths one slot at a time."""
+    s = plan.schedule
+    if s is not None and s.head_inside:
+        return s.head_runs
+    return _tokens(plan) // plan.tokens_per_microbatch
+
+
 def _activations(plan, add) -> None:
     """The activations' collectives: over `tensor` per layer pass, the vocabulary's ends and
     the weights outside a pipeline, an MoE layer's, the sequence's, the pipeline's shifts."""
@@ -62,8 +72,8 @@ def _activations(plan, add) -> None:
     # layer passes a device runs: forward and backward (lockstep, bubbles included; MTP's too)
     if s is None:
         fwd = bwd = plan.microbatches * (plan.layers_per_stage + m.mtp_layers)
-    else:
-        fwd = bwd = s.forwards * plan.layers_per_chunk
+    else:  # MTP's depths with the head: on the last stage per microbatch, or per slot
+        fwd = bwd = s.forwards * plan.layers_per_chunk + m.mtp_layers * _head_passes(plan)
     # whole-stage recomputes: stage remat, and circular GPipe's stage checkpoint
     restage = bwd * (redone(plan) - (1 if remat == "full" else 0))
 
@@ -80,9 +90,11 @@ def _activations(plan, add) -> None:
         (fwd + restage) * f + bwd * (f + again) - (fwd + bwd) * experts_auto)
     # the vocabulary's lookup and head (`vocab.traffic`); 1F1B and ZB-H1 run the head in
     # each steady tick, under a conditional
-    head_tokens = n * s.head_runs if s is not None and s.head_inside else _tokens(plan)
+    head_tokens = n * _head_passes(plan)
     for what, kind, nbytes in vocab.traffic(m.d_model, _tokens(plan), head_tokens, pb, c, sp):
-        add(what, kind, (TENSOR,), nbytes, 1 + m.mtp_layers)  # each MTP depth's lookup, head
+        add(what, kind, (TENSOR,), nbytes)
+    for what, kind, nbytes in vocab.traffic(m.d_model, head_tokens, head_tokens, pb, c, sp):
+        add(what, kind, (TENSOR,), nbytes, m.mtp_layers)  # each MTP depth's, where the head is
     for what, kind, axes, nbytes in tables.traffic(plan, act, f, again):  # outside a pipeline
         add(what, kind, axes, nbytes)
 
@@ -166,8 +178,13 @@ def _gradients(plan, add) -> None:
         # pipeline's shard_map sums the stage's whole gradient over data and seq at once)
         add("layer gradients", "reduce", (SEQ,),
             layer_bytes / (shard if s is None else 1), times)
-    add("head gradient", "reduce", rows_split + (SEQ,),  # (each MTP depth's use apart)
-        size(["head"], rules.compute) * F32 + m.d_model * F32, times * (1 + m.mtp_layers))
+    # (each MTP depth's use apart, but in 1F1B's and ZB-H1's head, which sums them together)
+    add("head gradient", "reduce", rows_split + (SEQ,),
+        size(["head"], rules.compute) * F32 + m.d_model * F32,
+        times * (1 + m.mtp_layers * (s is None or not s.head_inside)))
+    if s is not None:  # MTP's depths beside the head: their fp32 gradient summed over stage too
+        add("depths' gradients", "reduce", (STAGE,),
+            size([k for k in blocks if k.startswith("mtp/")], rules.compute) * F32)
     embed = size(["embed"], rules.compute) * F32
     # the lookup in slices of D (`vocab.embed_lookup`): HSDP's, and a pipeline's over `stage`
     split = tuple(a for a in mesh_axes(rules.grads["embed"]) if a in rows_split and mesh[a] > 1)
