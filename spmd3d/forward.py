@@ -78,9 +78,10 @@ def _slot_map(plan: Plan, fn, weights, slots, rope, summed: bool = False):
     leaves: the rows over `stage` and the batch's axes) one at a time, per device, manual
     over the rows' axes and the ring's, as a pipeline's stage runs (`ops`: its attention,
     the ring's per-device kernel): a slot's working set at a time, and the weights'
-    gradient summed over those axes once, not once per slot. An expert weight keeps its
-    experts split where their axis is manual (`stack_specs`); `summed`: `fn` returns a
-    number, summed over the slots and the devices, else the slot's new first leaf."""
+    gradient summed over those axes once, not once per slot. `summed`: `fn` returns a number,
+    summed over the slots and the devices, and `weights` may hold stacks ([K, ...]: MTP's
+    depths), whose expert weights keep their experts split where that axis is manual
+    (`stack_specs`); else `fn` returns the slot's new first leaf, with `weights` whole."""
     rules = plan.rules
     seq_axis = rules.compute["length"] if plan.attention in attention.SPLIT else None
     rows_axes = flat_axes(rules.compute["layers"], rules.compute["batch"])
