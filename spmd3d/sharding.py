@@ -24,6 +24,7 @@ it `experts` is unsplit and `expert_embed` is `embed`.
 from __future__ import annotations
 
 import contextvars
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -97,6 +98,10 @@ class Rules:
     def spec(self, names) -> P:
         """PartitionSpec for a tuple of logical names; unknown names and reused axes raise
         (but a spare axis an earlier dim took is dropped)."""
+        return self._spec(tuple(names))
+
+    @functools.lru_cache(maxsize=4096)  # the planner asks it per array of every layout it weighs
+    def _spec(self, names: tuple) -> P:
         out, used = [], set()
         for n in names:
             if n is None:

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import devices_for, first_grads, max_rel_diff, reference_run, small_config, train_losses
-from spmd3d import runtime
+from helpers import (first_grads, job_for, max_rel_diff, reference_run, run_with_grads,
+                     small_config)
 from spmd3d.store import abstract_like
 
 BF16 = ["model.dtype=bfloat16", "train.steps=3", "model.num_layers=4"]
@@ -165,14 +165,15 @@ def _check(c, reference, grads_too, bound, truth=None):
     """`truth`: one device's fp32 gradients; a leaf whose one-device bf16 gradient is farther
     from them than `bound` may differ from it by 1.5 times that distance (module docstring)."""
     # first, before anything compiles: no gradient is summed over devices in bf16
-    dtypes = reducer_dtypes(runtime.setup(c, devices_for(c)))
+    job = job_for(c)
+    dtypes = reducer_dtypes(job)
     assert dtypes and "bf16" not in dtypes, dtypes
     ref_losses, (ref_loss, ref_grads) = reference
-    losses, job, _ = train_losses(c)
+    # one compiled step gives the losses and step 0's gradients (`helpers.run_with_grads`)
+    losses, (loss, grads) = run_with_grads(c)
     assert job.mesh.size == 8 and ref_losses[-1] < ref_losses[0] - 0.3
     assert max_rel_diff(losses, ref_losses) < 1e-3, (losses, ref_losses)
     if grads_too:
-        loss, grads = first_grads(c)
         assert abs(loss - ref_loss) / ref_loss < 1e-3 and grads.keys() == ref_grads.keys()
         for k, g in grads.items():
             allowed = bound * np.max(np.abs(ref_grads[k]))
