@@ -24,7 +24,8 @@ The projections' outputs (`Ops.project`'s taps) are the cotangents a layer's bac
 once, and with their inputs what a zero-bubble schedule's W waits for. What the MLP keeps (its
 `named_scope`) is tagged: its backward runs first and lets go of it before attention's starts.
 
-Cached per distinct layer, so a search of thousands of layouts traces each a few times.
+Cached per distinct layer, so a search of thousands of layouts traces each a few times, and
+each remat policy's residuals when first asked for.
 """
 
 from __future__ import annotations
@@ -65,11 +66,26 @@ class Residual:
     host: bool = False  # kept in host memory (an offloading policy's): no device bytes
 
 
+class _PerPolicy(dict):
+    """remat policy -> tuple of Residual, each traced when first asked for: an estimate asks
+    two or three of the five, a search all of them."""
+
+    def __init__(self, trace):
+        super().__init__()
+        self._trace = trace
+
+    def __missing__(self, policy):
+        if policy not in REMATS:
+            raise KeyError(policy)
+        self[policy] = self._trace(policy)
+        return self[policy]
+
+
 @dataclass(frozen=True)
 class LayerBytes:
     """Bytes per token of one layer on one device (see the module's docstring)."""
 
-    residuals: dict  # remat policy -> tuple of Residual
+    residuals: dict  # remat policy -> tuple of Residual (`_PerPolicy`)
     projection_inputs: float
     projection_outputs: float
 
@@ -171,7 +187,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
     (i1, o1), (i2, o2) = taps(1), taps(2)
     per = tokens * ep
-    return LayerBytes({p: per_token(p) for p in REMATS}, (i2 - i1) / per, (o2 - o1) / per)
+    return LayerBytes(_PerPolicy(per_token), (i2 - i1) / per, (o2 - o1) / per)
 
 
 def _stream_scopes() -> frozenset:
