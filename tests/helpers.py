@@ -22,7 +22,7 @@ from spmd3d.store import flat
 # 16 query heads in 8 kv groups (GQA) so that tensor = 8 still splits whole groups.
 SMALL = ["model.num_layers=2", "model.d_model=128", "model.num_heads=16", "model.num_kv_heads=8",
          "model.d_ff=256", "model.vocab_size=256", "train.global_batch=16", "train.seq_len=32",
-         "train.steps=8", "optim.warmup_steps=2", "mesh.simulated_devices=0", "run.dir=unused"]
+         "train.steps=4", "optim.warmup_steps=2", "mesh.simulated_devices=0", "run.dir=unused"]
 
 
 def small_config(data=1, stage=1, tensor=1, seq=1, zero=0, sp=False, micro=1, remat="none",

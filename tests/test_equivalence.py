@@ -1,8 +1,8 @@
 """The central property: every layout gives the 1-device numbers (float32).
 
-8 train steps per layout must match the 1-device losses at every step (relative < 1e-4), and
-the gradients at the initial parameters must match leaf by leaf. Meshes are asymmetric (2x4
-and 4x2) so that a swapped axis cannot hide.
+4 train steps per layout (the learning rate's warm-up, peak and decay) must match the 1-device
+losses at every step (relative < 1e-4), and the gradients at the initial parameters must match
+leaf by leaf. Meshes are asymmetric (2x4 and 4x2) so that a swapped axis cannot hide.
 """
 
 import pytest

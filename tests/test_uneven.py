@@ -54,7 +54,8 @@ def test_uneven_grads_match_one_device(reference, name):
 
 def test_uneven_checkpoint_is_canonical(tmp_path, reference):
     """Saved from 6 layers on 4 stages (8 stored slots), resumed on data parallelism alone."""
-    run = [f"run.dir={tmp_path}", "checkpoint.every=2", "optim.decay_steps=8"]  # as the reference
+    run = [f"run.dir={tmp_path}", "checkpoint.every=2",  # the reference's decay horizon
+           f"optim.decay_steps={cfg().train.steps}"]
     train(cfg(data=2, stage=4, micro=4, extra=run + ["train.steps=2"]))
     more = train(cfg(data=8, extra=run + ["train.steps=4"]))
     got = np.array([r["loss"] for r in more])
