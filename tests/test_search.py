@@ -12,11 +12,11 @@ from spmd3d import config
 from spmd3d.mesh import MESH_DIR, load_topology
 from spmd3d.plan import estimate, search
 from spmd3d.plan.__main__ import main
+from spmd3d.plan.calibrate import calibrate
 
 # one worker: the searches of MODEL trace its layer once per distinct shard (`residuals.of`'s
 # cache), not once in each worker
 pytestmark = pytest.mark.xdist_group("search")
-from spmd3d.plan.calibrate import calibrate
 
 # a 1B-sized model whose layouts on 8 devices do not all fit in a 4 GB device
 MODEL = ["model.num_layers=8", "model.d_model=2048", "model.num_heads=16", "model.num_kv_heads=8",
