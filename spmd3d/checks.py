@@ -74,6 +74,14 @@ def _moe(m, mesh) -> None:
     need(m.dense_layers == 0 or m.is_moe and 0 < m.dense_layers < m.num_layers,
          "model.dense_layers", f"{m.dense_layers}: dense layers before the MoE ones need "
          f"model.num_experts > 0 and fewer than model.num_layers = {m.num_layers}")
+    need(m.moe_every >= 1, "model.moe_every", "must be >= 1 (1: every layer MoE)")
+    need(m.moe_every == 1 or m.is_moe and (m.num_layers - m.dense_layers) % m.moe_every == 0,
+         "model.moe_every", f"{m.moe_every}: dense layers between MoE ones need "
+         f"model.num_experts > 0 and model.num_layers - model.dense_layers "
+         f"({m.num_layers - m.dense_layers}) a multiple of it")
+    need(m.moe_every == 1 or not m.mtp_layers, "model.mtp_layers",
+         "multi-token prediction's depth is one layer of the stack's kind: not with "
+         "model.moe_every > 1")
     need(mesh.expert > 0, "mesh.expert", "must be positive")
     if not m.is_moe:
         need(mesh.expert == 1, "mesh.expert", "expert parallelism needs model.num_experts > 0")

@@ -50,14 +50,16 @@ class Weight:
     names: tuple[str, ...]
     to_ours: Callable  # (list of HF arrays, ModelConfig) -> our array
     to_hf: Callable  # (our array, ModelConfig) -> list of HF arrays, in `names`' order
-    first: int = 0  # a stacked weight: the HF layer of its row 0
+    first: int = 0  # a stacked weight: the HF layer of its row 0 ...
+    stride: int = 1  # ... and of row i: first + i * stride (`model.moe_every`)
 
     @property
     def stacked(self) -> bool:
         return self.key.startswith(("blocks/", "dense/", "mtp/"))
 
     def hf_names(self, layer: int | None = None) -> list[str]:
-        return [n.format(None if layer is None else layer + self.first) for n in self.names]
+        return [n.format(None if layer is None else layer * self.stride + self.first)
+                for n in self.names]
 
 
 def _qkv_in(ts, cfg):
@@ -210,12 +212,15 @@ def _fp8_weights(cfg: ModelConfig) -> tuple:
 def weights(cfg: ModelConfig) -> tuple:
     """Every parameter's conversion for `cfg`'s model (its family: `family`): the main
     stack's layers from HF layer `dense_layers` on, the dense ones before it (`dense/`) from
-    layer 0."""
-    out = [w for w in LLAMA if not w.stacked] + [replace(w, first=cfg.dense_layers)
+    layer 0. With `moe_every` = n, entry i of the stack is HF layers k + n i .. k + n i + n - 1:
+    its dense layers (`blocks/before{j}/`), then its own."""
+    k, n, dense = cfg.dense_layers, cfg.moe_every, _layer_weights(cfg.dense_kind)
+    out = [w for w in LLAMA if not w.stacked] + [replace(w, first=k + n - 1, stride=n)
                                                  for w in _layer_weights(cfg)]
-    if cfg.dense_layers:
-        out += [replace(w, key="dense/" + w.key[len("blocks/"):])
-                for w in _layer_weights(replace(cfg, num_experts=0))]
+    out += [replace(w, key=f"blocks/before{j}/" + w.key[len("blocks/"):], first=k + j, stride=n)
+            for j in range(n - 1) for w in dense]
+    if k:
+        out += [replace(w, key="dense/" + w.key[len("blocks/"):]) for w in dense]
     return tuple(out) + _mtp_weights(cfg)
 
 

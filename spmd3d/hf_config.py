@@ -78,14 +78,9 @@ def _fields(hf: dict, refuse) -> dict:
         fields.update(num_experts=hf["num_local_experts"], d_ff_expert=hf["intermediate_size"],
                       router_renormalize=True)
     elif kind == "qwen3_moe":
-        dense = sorted(hf.get("mlp_only_layers") or [])
-        if dense != list(range(len(dense))) or hf.get("decoder_sparse_step", 1) != 1:
-            refuse("mlp_only_layers", "dense layers are supported before the MoE ones only "
-                                      f"(layers 0..k-1, every later one MoE): {dense}, "
-                                      f"decoder_sparse_step {hf.get('decoder_sparse_step')}")
         # transformers 5 spells Qwen3-MoE's expert count as Mixtral's, 4 as `num_experts`
         experts = hf.get("num_local_experts") or hf["num_experts"]
-        fields.update(dense_layers=len(dense), num_experts=experts,
+        fields.update(_mixed_layers(hf, refuse), num_experts=experts,
                       d_ff_expert=hf["moe_intermediate_size"],
                       router_renormalize=bool(hf.get("norm_topk_prob", False)))
     elif kind == "deepseek_v3":
@@ -94,6 +89,22 @@ def _fields(hf: dict, refuse) -> dict:
         fields.update(experts_per_token=hf["num_experts_per_tok"],
                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
     return fields
+
+
+def _mixed_layers(hf: dict, refuse) -> dict:
+    """Qwen3-MoE's dense and MoE layers (layer i is MoE unless in `mlp_only_layers`, and only
+    if i + 1 is a multiple of `decoder_sparse_step`) as `dense_layers` k and `moe_every` n:
+    layers k + n - 1, k + 2n - 1, ..., the last one, MoE, the others dense."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    n = moe[1] - moe[0] if len(moe) > 1 else 1
+    k = moe[0] - (n - 1) if moe else -1
+    if k < 0 or moe != list(range(k + n - 1, layers, n)):
+        refuse("mlp_only_layers", f"MoE layers {moe} (mlp_only_layers {sorted(dense)}, "
+                                  f"decoder_sparse_step {step}) are not every n-th layer after "
+                                  "the first dense ones up to the last layer")
+    return dict(dense_layers=k, moe_every=n)
 
 
 def _deepseek_fields(hf: dict, refuse) -> dict:
@@ -137,13 +148,17 @@ def exportable(cfg: ModelConfig) -> None:
     deepseek = cfg.is_moe and (cfg.router_score != "softmax" or cfg.router_groups > 1
                                or cfg.router_scale != 1.0)
     why = ("DeepSeek-V3 routes its experts by sigmoid scores (model.router_score)"
-           if cfg.is_mla and cfg.is_moe and cfg.router_score != "sigmoid" else "" if cfg.is_mla
+           if cfg.is_mla and cfg.is_moe and cfg.router_score != "sigmoid" else
+           "DeepSeek-V3's dense layers all come first (model.moe_every)"
+           if cfg.is_mla and cfg.moe_every > 1 else "" if cfg.is_mla
            else "shared experts are in none of Mixtral, Qwen3-MoE" if cfg.shared_experts else
            "DeepSeek-V3's routing (model.router_score, router_groups, router_scale) is in "
            "none of Mixtral, Qwen3-MoE (DeepSeek-V3 has MLA: model.kv_lora_rank)" if deepseek
            else "Mixtral renormalizes the top-k weights (model.router_renormalize=false is "
            "Qwen3-MoE's, with model.qk_norm=true)" if family(cfg) == "mixtral"
-           and not cfg.router_renormalize else "")
+           and not cfg.router_renormalize else "Mixtral has no dense layers (model.dense_layers"
+           ", moe_every: Qwen3-MoE's, with model.qk_norm=true)" if family(cfg) == "mixtral"
+           and (cfg.dense_layers or cfg.moe_every > 1) else "")
     if why:
         raise HFError("model", f"cannot be exported: {why}")
 
@@ -168,7 +183,7 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32"
         out.update(num_experts=cfg.num_experts, num_local_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.experts_per_token,
                    moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
-                   decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)),
+                   **_sparse_step(cfg),
                    router_aux_loss_coef=cfg.router_aux_loss_coef)
     elif kind == "deepseek_v3":
         out.update(_deepseek_config(cfg))
@@ -186,6 +201,16 @@ def hf_config(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32"
             k: v for k, v in (("mscale", cfg.rope_mscale),
                               ("mscale_all_dim", cfg.rope_mscale_all_dim)) if v})
     return out
+
+
+def _sparse_step(cfg: ModelConfig) -> dict:
+    """`_mixed_layers` the other way: the step when it says which layers are MoE (k a
+    multiple of n), else every dense layer listed."""
+    k, n = cfg.dense_layers, cfg.moe_every
+    if k % n == 0:
+        return dict(decoder_sparse_step=n, mlp_only_layers=list(range(k)))
+    dense = [i for i in range(cfg.num_layers) if i < k or (i - k) % n != n - 1]
+    return dict(decoder_sparse_step=1, mlp_only_layers=dense)
 
 
 def _deepseek_config(cfg: ModelConfig) -> dict:

@@ -46,10 +46,7 @@ _POLICIES = {
 def remat_policy(name: str):
     base = _POLICIES[name] if name in _POLICIES else offload.policy(name)
 
-    def policy(prim, *args, **params):
-        return not is_param_relayout(prim, params) and base(prim, *args, **params)
-
-    return policy
+    return lambda prim, *args, **kw: not is_param_relayout(prim, kw) and base(prim, *args, **kw)
 
 
 class Attention(nnx.Module):
@@ -64,8 +61,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, k, h = cfg.d_model, cfg.num_kv_heads, cfg.dim_per_head
         self.g = cfg.num_heads // k
-        self.dtype = cfg.dtype
-        self.eps = cfg.norm_eps
+        self.dtype, self.eps = cfg.dtype, cfg.norm_eps
         # Qwen3: RMSNorm over each query and key head before RoPE, one [H] scale each
         self.q_norm = Param(jnp.ones((h,), cfg.param_dtype), axes=("head_dim",)) if cfg.qk_norm else None
         self.k_norm = Param(jnp.ones((h,), cfg.param_dtype), axes=("head_dim",)) if cfg.qk_norm else None
@@ -157,14 +153,22 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
+    """A layer; with `model.moe_every` = n > 1 an entry: n - 1 dense ones (`before0`...), then it."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.before = cfg.moe_every - 1
+        for j in range(self.before):
+            setattr(self, f"before{j}", Block(cfg.dense_kind, rngs))
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.attn = mla.LatentAttention(cfg, rngs) if cfg.is_mla else Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.mlp = MoE(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
 
     def project(self, name: str, x):
-        """Projection `name` (of `Attention.PROJECTIONS` or `MLP.PROJECTIONS`) applied to x."""
+        """Projection `name` (`Attention`'s or `MLP`'s; `before0/qkv`: a dense layer's) of x."""
+        if "/" in name:
+            layer, name = name.split("/", 1)
+            return getattr(self, layer).project(name, x)
         return project(self.attn if name in self.attn.PROJECTIONS else self.mlp, name, x)
 
     def __call__(self, x_btd, pos: Positions, ops: Ops):
@@ -172,6 +176,8 @@ class Block(nnx.Module):
         # Under SP the norms run on T_res-split activations; entering attention or the MLP
         # all-gathers T (`length` is not split over tensor), and their row-parallel outputs
         # are reduce-scattered back into the residual stream.
+        for j in range(self.before):
+            x_btd = getattr(self, f"before{j}")(x_btd, pos, ops.scoped(f"before{j}/"))
         res, full = ("batch", "res_length", "embed"), ("batch", "length", "embed")
         with jax.named_scope("attention"):
             h = constrain(constrain(self.attn_norm(x_btd), res), full)
@@ -187,9 +193,8 @@ class Transformer(nnx.Module):
     (final norm, head and cross-entropy). Calling the model runs all three, one device's way.
 
     `layer_order` is the order the stacked blocks are stored in (storage position -> canonical
-    layer; a circular pipeline keeps each stage's chunks together). It is part of the graphdef,
-    so a model merged from stored parameters knows their order: calling it puts the layers
-    back in canonical order first instead of running them in the wrong one.
+    layer; a circular pipeline keeps each stage's chunks together), part of the graphdef: a
+    model merged from stored parameters calls its layers in canonical order, not stored.
     """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer_order: tuple | None = None):
@@ -204,8 +209,8 @@ class Transformer(nnx.Module):
         self.blocks = _stack(cfg, cfg.stacked_layers, "layers", rngs)
         # the dense layers before the stack (DeepSeek's first k): a stack of their own, whose
         # leading dim (`dense`) no pipeline splits
-        self.dense = (_stack(dataclasses.replace(cfg, num_experts=0), cfg.dense_layers, "dense",
-                             rngs) if cfg.dense_layers else None)
+        self.dense = (_stack(cfg.dense_kind, cfg.dense_layers, "dense", rngs)
+                      if cfg.dense_layers else None)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                            cfg.init_std, cfg.param_dtype)
@@ -230,8 +235,7 @@ class Transformer(nnx.Module):
         positions = positions_t[None] if positions_t.ndim == 1 else positions_t
         gain = rope_gain(self.cfg)  # YaRN's attention factor
         cos, sin = rope_tables(positions, rope_frequencies(self.cfg))
-        return Positions(cos * gain, sin * gain, segments) if gain != 1 else Positions(
-            cos, sin, segments)
+        return Positions(*((cos * gain, sin * gain) if gain != 1 else (cos, sin)), segments)
 
     def layer(self, remat: str = "none", ops: Ops | None = None, stack=None):
         """`fn(params, x, rope, on=None, zeros=None) -> x`: one layer (of `stack`, default the
@@ -271,8 +275,8 @@ class Transformer(nnx.Module):
         return run
 
     def dense_layers(self, remat: str = "none", scan: bool = True, ops: Ops | None = None):
-        """`fn(x, rope) -> x`: the dense layers before the main stack (`model.dense_layers`),
-        or x itself. They run where the embedding does: before a pipeline, on every stage."""
+        """`fn(x, rope) -> x`: the dense layers before the stack (`model.dense_layers`), or x
+        itself; where the embedding runs (before a pipeline, on every stage)."""
         if self.dense is None:
             return lambda x, rope: x
         run = self.layers(remat, scan, ops, self.dense)
@@ -366,8 +370,7 @@ class Transformer(nnx.Module):
         stacked = nnx.state(self.blocks)
         if self.layer_order is None:
             return stacked
-        order = np.asarray(self.layer_order)
-        index = np.array([np.flatnonzero(order == c)[0] for c in range(self.cfg.stacked_layers)])
+        index = np.array([self.layer_order.index(c) for c in range(self.cfg.stacked_layers)])
         return jax.tree.map(lambda a: jnp.take(a, index, axis=0), stacked)
 
     def __call__(self, tokens_bt, positions_t=None):

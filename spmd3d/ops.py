@@ -10,6 +10,8 @@ gives B with the projections' output cotangents, and `split(model, ops)` gives w
 
 from __future__ import annotations
 
+import copy
+
 import jax
 from flax import nnx
 
@@ -29,7 +31,14 @@ class Ops:
 
     def __init__(self, attend, zeros: dict | None = None, tapped: bool = False, cache=None):
         self.attend, self.zeros, self.tapped, self.cache = attend, zeros, tapped, cache
-        self.inputs, self.outputs = {}, {}
+        self.inputs, self.outputs, self.prefix = {}, {}, ""
+
+    def scoped(self, prefix: str) -> "Ops":
+        """The same ops for a layer inside the one that has them (`model.moe_every`): its
+        projections' names start with `prefix` (`before0/qkv`), everything else shared."""
+        inner = copy.copy(self)
+        inner.prefix = self.prefix + prefix
+        return inner
 
     @property
     def cached(self) -> bool:
@@ -46,6 +55,7 @@ class Ops:
     def project(self, name: str, x, y):
         if not self.tapped:
             return y
+        name = self.prefix + name
         self.inputs[name] = x
         if self.zeros is None:
             self.outputs[name] = y
@@ -76,6 +86,10 @@ def split(model, ops: Ops):
 
         return jax.vjp(outputs, params)[1](d_outputs)[0]
 
-    blocks = model.blocks
-    weights = frozenset(w for m in (blocks.attn, blocks.mlp) for w, _ in m.PROJECTIONS.values())
+    blocks = model.blocks  # the weights' paths in a layer: `attn/w_qkv`, `before0/mlp/w_down`
+    layers = [("", blocks)] + [(f"before{j}/", getattr(blocks, f"before{j}"))
+                               for j in range(blocks.before)]
+    weights = frozenset(f"{pre}{name}/{w}" for pre, b in layers
+                        for name in ("attn", "mlp")
+                        for w, _ in getattr(b, name).PROJECTIONS.values())
     return tap_shapes, projection_grads, weights

@@ -5,7 +5,7 @@ re-exports everything here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "stage", "offload", "offload_dots")
@@ -35,10 +35,7 @@ class ConfigError(ValueError):
 
 
 class DataError(ValueError):
-    """Bad data input, blamed on one config field so the message can point the user at it.
-
-    ``.field`` is the config field to blame (e.g. ``'data.path'``); ``str(e)`` is one line.
-    """
+    """Bad data input, blamed on one config field (`field`, e.g. 'data.path'); one line."""
 
     def __init__(self, field: str, message: str):
         self.field = field
@@ -110,6 +107,9 @@ class ModelConfig:
     dense_layers: int = doc(0, "MoE: the first k layers have a dense MLP of width d_ff "
                                "(DeepSeek-V3's first_k_dense_replace); a stack of their own that "
                                "runs before the pipeline, on every stage")
+    moe_every: int = doc(1, "MoE: every n-th layer after dense_layers is MoE, the n-1 before it "
+                            "dense (Qwen3-MoE's decoder_sparse_step, Llama 4's interleave step); "
+                            "those n layers are one entry of the stack")
     experts_per_token: int = doc(2, "MoE: experts each token is sent to (top-k)")
     d_ff_expert: int = doc(0, "MoE: hidden width of one expert; 0: d_ff")
     shared_experts: int = doc(0, "MoE: experts of width d_ff_expert every token passes through")
@@ -146,16 +146,15 @@ class ModelConfig:
 
     is_moe = property(lambda self: self.num_experts > 0)
     expert_width = property(lambda self: self.d_ff_expert or self.d_ff)
+    is_mla = property(lambda self: self.kv_lora_rank > 0)
+    # the config of one of its dense layers (before the stack, or in an entry of it)
+    dense_kind = property(lambda self: replace(self, num_experts=0, moe_every=1))
 
     @property
     def stacked_layers(self) -> int:
-        """The layers of the main stack ([L, ...], scanned and pipelined): all but the dense
-        ones before it."""
-        return self.num_layers - self.dense_layers
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
+        """The entries of the main stack ([L, ...], scanned and pipelined): every layer but the
+        dense ones before it, `moe_every` layers an entry (its dense ones, then an MoE one)."""
+        return (self.num_layers - self.dense_layers) // self.moe_every
 
     @property
     def dim_per_head(self) -> int:
@@ -198,16 +197,16 @@ class ModelConfig:
 
     @property
     def layer_params(self) -> int:
-        """One layer's matmul weights: attention's (`attention_params`) and the gated MLP's (the
-        norms' 2 d are noise)."""
+        """One entry of the stack's matmul weights: attention's (`attention_params`) and the
+        gated MLP's (the norms' 2 d are noise), and its dense layers' (`moe_every`)."""
         d, f = self.d_model, self.d_ff
         mlp = 3 * d * f if not self.is_moe else \
             3 * d * self.expert_width * (self.num_experts + self.shared_experts) + d * self.num_experts
-        return self.attention_params + mlp
+        return self.attention_params + mlp + (self.moe_every - 1) * self.dense_layer_params
 
     @property
     def dense_layer_params(self) -> int:
-        """`layer_params` of a dense layer before the stack (`dense_layers`)."""
+        """`layer_params` of a dense layer (before the stack, or in an entry)."""
         return self.attention_params + 3 * self.d_model * self.d_ff
 
     @property

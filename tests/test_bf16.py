@@ -161,6 +161,15 @@ def test_bf16_deepseek_matches_one_device(name):
            reference_run(deepseek(model)), name in GRADS, 8 * U, truth)
 
 
+def test_bf16_dense_layers_between_moe_ones_match_one_device():
+    """Entries of a dense and an MoE layer (`model.moe_every`), experts split 2 ways, in ZB-H1
+    with tensor 2 + SP (the dense layers' W apart from B); every leaf at step 0."""
+    model = ["model.num_layers=4", "model.moe_every=2"]
+    _check(moe_cfg(data=2, stage=2, tensor=2, sp=True, extra=[
+        "mesh.expert=2", "parallel.pipeline_schedule=zb_h1", *model]),
+        reference_run(moe_cfg(model)), True, 8 * U)
+
+
 def _check(c, reference, grads_too, bound, truth=None):
     """`truth`: one device's fp32 gradients; a leaf whose one-device bf16 gradient is farther
     from them than `bound` may differ from it by 1.5 times that distance (module docstring)."""

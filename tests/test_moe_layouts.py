@@ -8,6 +8,8 @@ resumed at another; DeepSeek-V3's router (sigmoid, group-limited) with experts s
 and with tensor + SP under ZeRO-3. Every layout accumulates 2 microbatches, as the reference
 does (the balancing loss is a microbatch's)."""
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
@@ -82,6 +84,57 @@ def test_deepseek_routing_matches_one_device(name):
     cfg = moe_config(**DEEPSEEK_LAYOUTS[name])
     assert_grads_match(cfg, reference[1], untrained=("blocks/mlp/bias",))
     assert_losses_match(cfg, reference[0], grads_too=True)
+
+
+# dense layers between MoE ones (Qwen3-MoE's decoder_sparse_step 2, Llama 4's every other
+# layer): each entry of the stack a dense layer, then an MoE one; with a pipeline, a dense
+# layer first (its own stack, before the pipeline) and 3 entries over 2 stages (uneven: 2 + 1)
+EVERY2 = ("model.num_layers=4", "model.moe_every=2")
+DENSE_EVERY2 = ("model.num_layers=7", "model.dense_layers=1", "model.moe_every=2")
+INTERLEAVED_LAYOUTS = {
+    "every2_ep2_dp4_tp2_sp_zero3": dict(data=4, tensor=2, sp=True, zero=3, remat="save_dots",
+                                        extra=("mesh.expert=2", *EVERY2)),
+    "every2_ep2_tp2_sp_zb_h1": dict(data=2, stage=2, tensor=2, sp=True, remat="full", extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=zb_h1", *EVERY2)),
+    "dense_every2_ep2_seq2_1f1b_uneven": dict(data=2, stage=2, seq=2, extra=(
+        "mesh.expert=2", "parallel.pipeline_schedule=1f1b", *DENSE_EVERY2)),
+}
+
+
+@pytest.mark.parametrize("name", by_layout(INTERLEAVED_LAYOUTS))
+def test_dense_layers_between_moe_ones_match_one_device(name):
+    layout = INTERLEAVED_LAYOUTS[name]
+    reference = reference_run(moe_config(extra=[e for e in layout["extra"]
+                                                if e.startswith("model.")]))
+    cfg = moe_config(**layout)
+    assert cfg.model.stacked_layers == (2 if "model.num_layers=4" in layout["extra"] else 3)
+    assert_grads_match(cfg, reference[1], untrained=("blocks/mlp/bias",))
+    assert_losses_match(cfg, reference[0], grads_too=True)
+
+
+def test_an_entry_of_the_stack_holds_its_dense_layers_before_its_moe_one():
+    """With moe_every 3: each entry's dense layers (`before0`, `before1`) of width d_ff beside
+    its MoE layer, the stack 2 entries deep, and the losses' mean over its 2 MoE layers."""
+    from spmd3d.model import abstract_model
+
+    cfg = moe_config(extra=("model.num_layers=7", "model.dense_layers=1", "model.moe_every=3"))
+    m = replace(cfg.model, dtype="float32")
+    params = abstract_model(m)[1]
+    assert params["blocks"]["before1"]["mlp"]["w_down"].shape == (2, m.d_ff, m.d_model)
+    assert params["blocks"]["mlp"]["w_down"].shape == (2, 8, 64, m.d_model)
+    assert "before2" not in params["blocks"] and params["dense"]["mlp"]["w_down"].shape[0] == 1
+    assert m.layer_params == m.attention_params * 3 + 2 * 3 * m.d_model * m.d_ff + (
+        3 * m.d_model * 64 * 9 + m.d_model * 8)
+
+
+@pytest.mark.parametrize("change", ["model.moe_every=3", "model.mtp_layers=1"])
+def test_interleaving_mistakes_name_their_field(change):
+    from spmd3d.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:  # 4 layers are not entries of 3; MTP's depth is one
+        moe_config(extra=("model.num_layers=4", "model.moe_every=2" if "mtp" in change
+                          else "model.num_experts=8", change))
+    assert e.value.field == change.split("=")[0], str(e.value)
 
 
 def test_router_state_is_kept_but_not_optimized(reference):

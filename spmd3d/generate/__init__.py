@@ -105,8 +105,11 @@ class Generator:
             def attend(q, k, v, scale=None):
                 return cached_attention(q, k, v, positions_bt, scale)
 
-            def run(x, stack, caches):  # a stack's layers, each with its rows of the cache
-                block_def = nnx.graphdef(stack)
+            def run(x, stack, caches, n=1):  # a stack's layers, each with its rows of the cache
+                # (an entry of n layers, `model.moe_every`: its layers' rows, in the order
+                # they are written)
+                block_def, arrays = nnx.graphdef(stack), len(caches)
+                caches = [c.reshape(-1, n, *c.shape[1:])[:, j] for j in range(n) for c in caches]
 
                 def layer(x, slot):
                     block, caches = slot
@@ -120,14 +123,17 @@ class Generator:
                     y = nnx.merge(block_def, block)(x, rope, Ops(attend, cache=keep))
                     return y, tuple(written)
 
-                return jax.lax.scan(layer, x, (nnx.state(stack), caches))
+                x, written = jax.lax.scan(layer, x, (nnx.state(stack), tuple(caches)))
+                return x, [jnp.stack(written[a::arrays], 1).reshape(-1, *written[a].shape[1:])
+                           for a in range(arrays)]
 
             # the dense layers before the main stack (if any) take the cache's first rows
-            k, parts = self.plan.cfg.model.dense_layers, []
+            m, parts = self.plan.cfg.model, []
+            k = m.dense_layers
             if model.dense is not None:
                 x, written = run(x, model.dense, [c[:k] for c in cache])
                 parts.append(written)
-            x, written = run(x, model.blocks, [c[k:] for c in cache])
+            x, written = run(x, model.blocks, [c[k:] for c in cache], m.moe_every)
             cache = [jnp.concatenate(p) for p in zip(*parts, written)]
             return x, tuple(constrain(c, axes) for c, (_, axes) in zip(cache, self.layout(1)))
 

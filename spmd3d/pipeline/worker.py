@@ -64,7 +64,10 @@ def add_at(grads, d_w, k, chosen=lambda path: True):
 
 
 def _is_projection(path, names) -> bool:
-    return any(getattr(k, "key", getattr(k, "name", None)) in names for k in path)
+    """Whether the leaf at `path` (in a layer's params) is one of the projection weights
+    `names` (`attn/w_qkv`, `before0/mlp/w_down`: not an MoE layer's experts, `mlp/w_down`)."""
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    return any("/".join(keys[:i]) in names for i in range(1, len(keys) + 1))
 
 
 class Worker:

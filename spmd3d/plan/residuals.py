@@ -115,11 +115,11 @@ def of(plan, dense: bool = False) -> LayerBytes:
     dense stack before the main one (`model.dense_layers`)."""
     m, deg = plan.cfg.model, plan.degrees
     t, seq, ep = deg.tensor, deg.seq, deg.expert
-    local = replace(m, num_layers=1, dense_layers=0, vocab_size=8, num_heads=m.num_heads // t,
+    local = replace(m, num_layers=m.moe_every, dense_layers=0, vocab_size=8, num_heads=m.num_heads // t,
                     num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t,
                     d_ff_expert=m.expert_width // t)
     if dense:
-        local, ep = replace(local, num_experts=0), 1
+        local, ep = replace(local.dense_kind, num_layers=1), 1
     return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq, ep,
                   plan.attention_local)
 

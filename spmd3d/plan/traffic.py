@@ -85,9 +85,10 @@ def _activations(plan, add) -> None:
     again = {"none": 0, "save_dots": f - 2, "full": f - 1}[remat]
     # (as sent: an all-reduce is a reduce-scatter and a gather, so SP's four cost its two)
     # (an MoE layer in a pipeline reduces its experts' sums instead of the MLP's: below)
-    experts_auto = m.is_moe and s is not None and t > 1
+    # (an entry of the stack is `moe_every` layers: k - 1 dense ones, then an MoE one)
+    experts_auto, k = m.is_moe and s is not None and t > 1, m.moe_every
     add("layers' activations", "reduce-scatter" if sp else "reduce", (TENSOR,), act,
-        (fwd + restage) * f + bwd * (f + again) - (fwd + bwd) * experts_auto)
+        k * ((fwd + restage) * f + bwd * (f + again)) - (fwd + bwd) * experts_auto)
     # the vocabulary's lookup and head (`vocab.traffic`); 1F1B and ZB-H1 run the head in
     # each steady tick, under a conditional
     head_tokens = n * _head_passes(plan)
@@ -110,15 +111,15 @@ def _activations(plan, add) -> None:
     inlined = applies("one_trip_loops_inlined")
     if plan.attention == "ulysses":  # recomputed as attention is: save_dots keeps matmuls only
         heads = m.num_heads / t * (m.dim_per_head + m.value_dim) / 2  # q and the output
-        again = fwd * (redone(plan) + (remat == "save_dots"))
+        again = k * fwd * (redone(plan) + (remat == "save_dots"))
         for what, kind, nbytes in ulysses.traffic(q, n * heads * c, n * w.kv * c,
-                                                  fwd + restage, again, bwd,
+                                                  k * (fwd + restage), again, k * bwd,
                                                   n * 4 if plan.eot is not None else 0):
             add(what, kind, (SEQ,), nbytes)
     elif plan.attention in ("ring", "gather"):
         for what, kind, nbytes in ring.traffic(q, plan.attention == "gather", n * w.kv * c,
-                                               n * w.kv * F32, fwd, restage,
-                                               fwd * redone(plan), bwd, inlined):
+                                               n * w.kv * F32, k * fwd, k * restage,
+                                               k * fwd * redone(plan), k * bwd, inlined):
             add(what, kind, (SEQ,), nbytes)
 
     # stage: what the schedule's table moves between neighbours (`Schedule.shifts`)
