@@ -5,7 +5,8 @@ A draw is a preset's model (its widths and vocabulary, its layers cut to a few) 
 of 8 devices: every mesh axis and degree (data, expert, stage, tensor, seq), ZeRO 0-3, each
 remat policy, sequence parallelism, gradient accumulation or pipeline microbatches, each
 pipeline schedule with or without circular repeats, FP8 and packed documents, at a sequence
-length from 1k to 8k. Draws the config's validation or the plan refuses are drawn again: the
+length from 1k to 8k; an MoE model's layers as drawn, DeepSeek's (latent attention, the group
+router, a dense layer first, an MTP depth) or a dense layer before each MoE one. Draws the config's validation or the plan refuses are drawn again: the
 generator yields only layouts a user could run.
 """
 
@@ -74,11 +75,31 @@ def overrides(rng: random.Random, tokenizer: str | None = None) -> list[str]:
         f"parallel.sequence_parallel={str(deg['tensor'] > 1 and rng.random() < 0.5).lower()}",
         f"parallel.pipeline_schedule={schedule}", f"parallel.pipeline_repeats={repeats}",
         f"train.global_batch={batch}", f"train.microbatches={micro}", f"train.seq_len={seq_len}"]
+    if moe:  # an MoE model's layers as DeepSeek's or as Llama 4's (drawn after the rest)
+        out += _moe_kind(rng, layers)
     if rng.random() < 0.2:
         out += ["model.fp8=delayed", "model.fp8_emulate=true"]
     if tokenizer and rng.random() < 0.25:
         out.append(f"data.tokenizer={tokenizer}")
     return out
+
+
+def _moe_kind(rng: random.Random, layers: int) -> list[str]:
+    """As drawn, or DeepSeek's kind of model on the drawn widths (latent attention with
+    DeepSeek-V3's head geometry, the sigmoid router over 4 groups, a shared expert, a dense
+    layer first, sometimes an MTP depth), or a dense layer before each MoE one (Llama 4's
+    interleaving, `model.moe_every=2`)."""
+    kind = rng.choice(("as_drawn", "as_drawn", "deepseek", "every2"))
+    if kind == "every2":
+        return ["model.moe_every=2", f"model.num_layers={2 * layers}"]
+    if kind == "as_drawn":
+        return []
+    return ["model.kv_lora_rank=512", f"model.q_lora_rank={rng.choice((0, 1536))}",
+            "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128",
+            "model.num_kv_heads=32", "model.head_dim=0", "model.qk_norm=false",
+            "model.router_score=sigmoid", "model.router_groups=4", "model.router_topk_groups=2",
+            "model.router_scale=2.5", "model.shared_experts=1", "model.dense_layers=1",
+            f"model.num_layers={layers + 1}", f"model.mtp_layers={rng.choice((0, 1))}"]
 
 
 def draw(seed: int, tokenizer: str | None = None) -> tuple[list[str], Plan]:
@@ -98,6 +119,7 @@ def describe(args: list[str]) -> str:
     skip = ("model.num_heads", "model.num_kv_heads", "model.d_ff", "model.vocab_size",
             "model.head_dim", "model.qk_norm", "model.d_ff_expert", "mesh.simulated_devices",
             "mesh.topology", "model.param_dtype", "model.fp8_emulate")
-    keep = [a for a in args if not a.startswith(skip)]
+    last = {a.split("=")[0]: a for a in args}  # a key given twice: its last value
+    keep = [a for a in last.values() if not a.startswith(skip)]
     return " ".join(a.split(".", 1)[1] if not a.startswith("data.tokenizer") else "documents"
                     for a in keep)
