@@ -260,6 +260,10 @@ def activation_bytes(plan) -> dict:
         passes = s.saved_passes
         stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)
         per_pass = kept("full") if whole else chunk * stash(inner)
+        # a stash also holds, per layer and pass, what the layer makes that does not grow
+        # with the tokens (the experts' weights as used, a custom_vjp's residuals)
+        if s.mode != "autodiff" and not whole:
+            per_pass += chunk * layer.fixed[inner] / n
     # an offloading policy's residuals, in host memory: as many passes as the device's would be
     host = passes * (layers if s is None else chunk) * layer.on_host(inner, split) * n
     # one layer's backward: what it recomputes (all it would keep under `none`, less what the

@@ -64,6 +64,7 @@ class Residual:
     select: bool  # the output of a select (`jnp.where`): a mask, or values masked by one
     mlp: bool = False  # made in the MLP (its `named_scope`): gone before attention's backward
     host: bool = False  # kept in host memory (an offloading policy's): no device bytes
+    made: bool = True  # made by the layer (not one of its inputs: the weights as stored, x)
 
 
 class _PerPolicy(dict):
@@ -88,6 +89,10 @@ class LayerBytes:
     residuals: dict  # remat policy -> tuple of Residual (`_PerPolicy`)
     projection_inputs: float
     projection_outputs: float
+    # remat policy -> bytes per device of what the vjp hands over that the layer makes and
+    # that does not grow with the tokens (a custom_vjp's residuals, which no policy sees: the
+    # experts' weights as used), which a stashing schedule keeps per pass
+    fixed: dict = None
 
     def handed_over(self, policy: str, tensor_split: int = 1) -> float:
         """What `jax.vjp` hands over under `policy` in device memory: what 1F1B and ZB-H1
@@ -161,6 +166,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
     def x(rows):
         return jax.ShapeDtypeStruct((rows * ep, tokens, m.d_model), jnp.dtype(m.dtype))
 
+    @functools.cache
     def residuals(policy, rows):
         layer = model.layer(policy, ops)
         with _as_the_step(ep):
@@ -172,6 +178,11 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
         one, two = residuals(policy, 1), residuals(policy, 2)
         return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select, a.mlp, a.host)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
+
+    def fixed(policy):  # made by the layer and the same at any rows: per device
+        one, two = residuals(policy, 1), residuals(policy, 2)
+        return sum(a.nbytes for a, b in zip(one, two)
+                   if a.made and not a.host and b.nbytes == a.nbytes) / ep
 
     def taps(rows):
         tapped = ops.tap()
@@ -187,7 +198,8 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
     (i1, o1), (i2, o2) = taps(1), taps(2)
     per = tokens * ep
-    return LayerBytes(_PerPolicy(per_token), (i2 - i1) / per, (o2 - o1) / per)
+    return LayerBytes(_PerPolicy(per_token), (i2 - i1) / per, (o2 - o1) / per,
+                      _PerPolicy(fixed))
 
 
 def _stream_scopes() -> frozenset:
@@ -218,5 +230,6 @@ def _describe(jaxpr) -> list[Residual]:
         out.append(Residual(float(aval.size * aval.dtype.itemsize),
                             stream=eqn is None or bool(scopes & stream_scopes), select=select,
                             mlp=any(c.endswith(("mlp", "(mlp)")) for c in scopes),
-                            host=str(getattr(aval, "memory_space", "")).endswith("Host")))
+                            host=str(getattr(aval, "memory_space", "")).endswith("Host"),
+                            made=eqn is not None))
     return out
