@@ -6,8 +6,9 @@ of 8 devices: every mesh axis and degree (data, expert, stage, tensor, seq), ZeR
 remat policy, sequence parallelism, gradient accumulation or pipeline microbatches, each
 pipeline schedule with or without circular repeats, FP8 and packed documents, at a sequence
 length from 1k to 8k; an MoE model's layers as drawn, DeepSeek's (latent attention, the group
-router, a dense layer first, an MTP depth) or a dense layer before each MoE one. Draws the config's validation or the plan refuses are drawn again: the
-generator yields only layouts a user could run.
+router, a dense layer first, an MTP depth) or a dense layer before each MoE one. Draws the
+config's validation or the plan refuses are drawn again: the generator yields only layouts a
+user could run.
 """
 
 from __future__ import annotations

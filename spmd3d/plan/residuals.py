@@ -92,7 +92,7 @@ class LayerBytes:
     # remat policy -> bytes per device of what the vjp hands over that the layer makes and
     # that does not grow with the tokens (a custom_vjp's residuals, which no policy sees: the
     # experts' weights as used), which a stashing schedule keeps per pass
-    fixed: dict = None
+    fixed: dict
 
     def handed_over(self, policy: str, tensor_split: int = 1) -> float:
         """What `jax.vjp` hands over under `policy` in device memory: what 1F1B and ZB-H1
@@ -120,9 +120,9 @@ def of(plan, dense: bool = False) -> LayerBytes:
     dense stack before the main one (`model.dense_layers`)."""
     m, deg = plan.cfg.model, plan.degrees
     t, seq, ep = deg.tensor, deg.seq, deg.expert
-    local = replace(m, num_layers=m.moe_every, dense_layers=0, vocab_size=8, num_heads=m.num_heads // t,
-                    num_kv_heads=m.num_kv_heads // t, d_ff=m.d_ff // t,
-                    d_ff_expert=m.expert_width // t)
+    local = replace(m, num_layers=m.moe_every, dense_layers=0, vocab_size=8,
+                    num_heads=m.num_heads // t, num_kv_heads=m.num_kv_heads // t,
+                    d_ff=m.d_ff // t, d_ff_expert=m.expert_width // t)
     if dense:
         local, ep = replace(local.dense_kind, num_layers=1), 1
     return _trace(local, plan.cfg.train.seq_len // seq, plan.attention, seq, ep,
