@@ -55,6 +55,8 @@ def _coerce(path: str, value, typ):
             return value
         if value is None:
             return ""
+        if isinstance(value, bool):  # YAML 1.1 reads `off` (and no, false) as False
+            return "off" if value is False else "on"
     else:  # pragma: no cover - only the types above are used
         raise TypeError(typ)
     raise ConfigError(path, f"expected {typ.__name__}, got {value!r}")

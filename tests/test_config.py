@@ -48,6 +48,8 @@ def test_defaults_equal_demo_yaml():
     ("run.explain=false", "run", "explain", False),
     ("data.path=foo", "data", "path", "foo"),
     ("model.dtype=bfloat16", "model", "dtype", "bfloat16"),
+    ("model.fp8=off", "model", "fp8", "off"),  # YAML 1.1 reads `off` as False
+    ("model.fp8=delayed", "model", "fp8", "delayed"),
 ])
 def test_override_types(override, section, name, expected):
     cfg = config_lib.load(None, [override])

@@ -24,6 +24,7 @@ RS = "xla_gpu_reduce_scatter_combine_threshold_bytes"
 P2P = "xla_gpu_enable_pipelined_p2p"
 DECOMPOSE = "xla_gpu_collective_permute_decomposer_threshold"
 WINDOWED = "xla_gpu_threshold_for_windowed_einsum_mib"
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 
 def llama8b(**sections):
@@ -111,6 +112,13 @@ def test_windowed_einsum_only_with_tensor_and_sequence_parallelism():
     assert gpu.preset(on)[WINDOWED] == "0"
     assert WINDOWED not in gpu.preset(llama8b(mesh={"tensor": 2}))
     assert WINDOWED not in gpu.preset(llama8b(parallel={"sequence_parallel": True}))
+
+
+def test_fp8_gemms_go_to_cublaslt_not_triton():
+    """Triton's FP8 GEMMs took XLA's compile past 75 s a layer on an H200 (gpu.py)."""
+    assert gpu.preset(llama8b(model={"fp8": "delayed"}))[TRITON_GEMM] == "false"
+    assert TRITON_GEMM not in gpu.preset(llama8b())
+    assert TRITON_GEMM not in gpu.preset(llama8b(model={"fp8": "delayed", "fp8_emulate": True}))
 
 
 # ---------------------------------------------------------------------------------- apply
