@@ -63,8 +63,8 @@ def overrides(rng: random.Random, tokenizer: str | None = None) -> list[str]:
     micro = rng.choice((1, 2, 4)) * (deg["stage"] if deg["stage"] > 1 else 1)
     rows = rng.choice((1, 2))  # sequences of a microbatch on a batch device
     batch = deg["data"] * micro * rows
-    # some stacks padded (stage x repeats does not divide the layers); not an MoE model's: a
-    # padded MoE pipeline fails to trace (NonConcreteBooleanIndexError on the active slots)
+    # some stacks padded (stage x repeats does not divide the layers); not an MoE model's, so
+    # that the seeds draw the MoE layouts they drew (padded MoE pipelines run: test_moe_layouts)
     layers = deg["stage"] * repeats * rng.choice((1, 2)) + (0 if moe else rng.choice((0, 0, 1)))
     seq_len = rng.choice((1024, 2048, 4096, 8192))
     out = [f"model.{k}={v}" for k, v in model.items()] + [

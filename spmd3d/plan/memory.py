@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..config import ModelConfig
-from . import residuals
 from ..mesh import STAGE
+from . import residuals
 from .quirks import applies
 
 F32 = 4
@@ -183,9 +183,16 @@ def gathered_tables(plan) -> int:
     layers are gathered one at a time)."""
     if not over_stage(plan):
         return 0
-    m, mesh = plan.cfg.model, dict(plan.mesh.shape)
-    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute, mesh)
-    return (head + m.d_model) * itemsize(m.param_dtype)
+    m = plan.cfg.model
+    return (table_shard(plan, "head") + m.d_model) * itemsize(m.param_dtype)
+
+
+def table_shard(plan, which: str) -> int:
+    """Elements of the head (`head`) or the embedding (`embed`) a device holds as it computes."""
+    m = plan.cfg.model
+    shape, names = (((m.d_model, m.vocab_size), ("embed", "vocab")) if which == "head" else
+                    ((m.vocab_size, m.d_model), ("vocab", "embed")))
+    return shard_size(shape, names, plan.rules.compute, dict(plan.mesh.shape))
 
 
 def _slots(plan) -> int:
@@ -317,7 +324,7 @@ def mtp_working(plan, kinds: dict) -> int:
     shapes = param_shapes(m, len(plan.layer_order))
     depths = sum(shard_size(s, names, plan.rules.compute, mesh)
                  for k, (s, names) in shapes.items() if k.startswith("mtp/"))
-    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute, mesh)
+    head = table_shard(plan, "head")
     gpipe = not plan.schedule.head_inside
     return int(kinds["logits_loss"] // 3 + kinds["layer_working"] + 2 * depths * F32
                + gpipe * head * F32)
@@ -330,14 +337,13 @@ def memory(plan) -> dict:
     before any layer's) and one layer's backward; a schedule that runs the head per
     microbatch inside the pipeline (1F1B, ZB-H1) also accumulates the head's gradient."""
     kinds = {**state_bytes(plan), **working_terms(plan), **activation_bytes(plan)}
-    s, m, mesh = plan.schedule, plan.cfg.model, dict(plan.mesh.shape)
-    head = shard_size((m.d_model, m.vocab_size), ("embed", "vocab"), plan.rules.compute,
-                      mesh) * F32
+    s, m = plan.schedule, plan.cfg.model
+    head = table_shard(plan, "head") * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
     # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1;
     # each MTP depth's use of the head and the embedding holds one more of each, whole
     sharded = plan.rules.grads_over_batch and plan.degrees.zero > 1
-    embed = shard_size((m.vocab_size, m.d_model), ("vocab", "embed"), plan.rules.compute, mesh)
+    embed = table_shard(plan, "embed")
     kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
                                                           else 0) + \
         m.mtp_layers * (head + embed * F32)
