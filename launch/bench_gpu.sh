@@ -21,6 +21,9 @@ cd "$(dirname "$0")/.."
 out=${1:-runs/bench_gpu}
 py=${PYTHON:-python3}
 mkdir -p "$out"
+# stopped from outside (a scheduler's or a wrapper's timeout): the row running stops too, and
+# leaves the GPU's memory to whatever runs next
+trap 'pkill -TERM -P $$; exit 143' TERM INT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 "$py" -c "import sys, jax, flax, optax, orbax.checkpoint as o; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
