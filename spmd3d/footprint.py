@@ -25,6 +25,7 @@ saved activations are the rest of the temporaries (what the backward keeps, and 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import replace
 
 from . import grouped
@@ -117,11 +118,13 @@ def measure(cfg: Config, topology) -> dict:
     real = Plan.resolve(cfg, topology=topology)
     n = real.num_devices
     compile_cfg, cut = compiled_layout(real.cfg, n)
-    with grouped.standing_in():  # a GPU plan's grouped-matmul kernel, on CPU devices
+    with grouped.standing_in(), tempfile.TemporaryDirectory() as dump:
+        # a GPU plan's grouped-matmul kernel, on CPU devices; the buffers' live ranges dumped
         plan = Plan.resolve(compile_cfg, jax.devices()[: n // cut], topology=topology)
         graphdef, abstract, shardings = state_shardings(plan)
         compiled, seconds = compile_step(plan, make_train_step(plan, graphdef, shardings),
-                                         abstract, shardings)
+                                         abstract, shardings, hlo.dump_options(dump))
+        live = hlo.live_temp_bytes(dump)
 
     mem = hlo.memory(compiled)
     terms_real, terms_compiled = state_terms(real), state_terms(plan)
@@ -131,7 +134,9 @@ def measure(cfg: Config, topology) -> dict:
     compiled_rec = {"argument_bytes": mem["argument_bytes"] + delta_args,
                     "temp_bytes": mem["temp_bytes"] + delta_temp,
                     "output_bytes": mem["output_bytes"] + delta_args,
-                    "alias_bytes": mem["alias_bytes"] + delta_args}
+                    "alias_bytes": mem["alias_bytes"] + delta_args,
+                    # the most of the temporaries alive at once; XLA packs them into temp_bytes
+                    "live_temp_bytes": None if live is None else live + delta_temp}
     kinds = by_kind(plan, compiled_rec["temp_bytes"], terms_real)
     colls = hlo.collectives(compiled.as_text(), plan.mesh.shape)
     counts, nbytes = hlo.summary(colls), hlo.bytes_by_axes(colls)
@@ -181,6 +186,8 @@ def format_report(r: dict) -> list[str]:
         f" pipeline buffers {gb(k['pipeline_buffers'])}"
         + (f", layers gathered for the step {gb(k['gathered_layers'])}"
            if k.get("gathered_layers") else ""),
+        *([f"              of which alive at once at most {gb(c['live_temp_bytes'])}: the rest "
+            "is how XLA packed them into one buffer"] if c.get("live_temp_bytes") else []),
         f"  outputs     {gb(c['output_bytes'], 8)}   (aliased to the donated state: "
         f"{gb(c['alias_bytes'])})",
         f"  needed      {gb(r['needed_bytes'], 8)}   arguments + temporaries; a device of "

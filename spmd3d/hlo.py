@@ -9,8 +9,10 @@ calls (a branch is counted as if taken: what the device that takes it moves).
 from __future__ import annotations
 
 import functools
+import glob
 import itertools
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -228,6 +230,62 @@ def memory(compiled) -> dict:
         "total_bytes": int(ma.argument_size_in_bytes + ma.output_size_in_bytes
                            + ma.temp_size_in_bytes - ma.alias_size_in_bytes),
     }
+
+
+# the dumped buffer assignment: `allocation N: size S, ... preallocated-temp:`, its values
+# ` value: <id name @0> (size=S,offset=O): shape`; the live ranges: `  name{index}:start-end`
+_VALUE = re.compile(r"^ value: <\d+ (?P<name>\S+) @\S*> "
+                    r"\(size=(?P<size>\d+),offset=(?P<at>\d+)\)")
+_RANGE = re.compile(r"^\s+(?P<name>\S+\{[^}]*\}):(?P<start>\d+)-(?P<end>\d+)$", re.M)
+
+
+def dump_options(directory: str) -> dict:
+    """Compiler options (`Lowered.compile(compiler_options=...)`) that make XLA write the
+    compiled module's buffer assignment and live ranges into `directory`."""
+    return {"xla_dump_to": directory, "xla_dump_hlo_as_text": True}
+
+
+def live_temp_bytes(directory: str) -> int | None:
+    """The most bytes of temporaries alive at once in the module XLA dumped into `directory`
+    (`dump_options`): its temp buffer's values, each from its definition to its last use in
+    the schedule (a loop body's once: its iterations run one after another), the values that
+    share bytes while alive (one buffer, aliased: an update in place, a loop's carry) counted
+    once. The temp buffer itself (`memory`'s temp_bytes) is at least this; the rest is how XLA
+    packed the values into it. None where the dump has no live ranges."""
+    found = [glob.glob(os.path.join(directory, f"*after_optimizations-{kind}.txt"))
+             for kind in ("buffer-assignment", "live-range")]
+    if not all(len(f) == 1 for f in found):
+        return None
+    placed, temp = {}, False  # value -> (offset, size) in the temp buffer
+    with open(found[0][0]) as f:
+        for line in f:
+            if line.startswith("allocation "):
+                temp = "preallocated-temp" in line
+            elif temp and (m := _VALUE.match(line)):
+                name = m["name"] if "{" in m["name"] else m["name"] + "{}"
+                placed[name] = (int(m["at"]), int(m["size"]))
+    spans: dict = {}  # offset -> [[start, end, size]], values alive together there merged
+    with open(found[1][0]) as f:
+        for m in _RANGE.finditer(f.read()):
+            if m["name"] in placed:
+                at, size = placed[m["name"]]
+                spans.setdefault(at, []).append([int(m["start"]), int(m["end"]), size])
+    change: Counter = Counter()
+    for intervals in spans.values():
+        merged: list = []
+        for start, end, size in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1:] = [max(merged[-1][1], end), max(merged[-1][2], size)]
+            else:
+                merged.append([start, end, size])
+        for start, end, size in merged:
+            change[start] += size
+            change[end + 1] -= size
+    live = peak = 0
+    for t in sorted(change):
+        live += change[t]
+        peak = max(peak, live)
+    return peak
 
 
 def bytes_per_axis(colls: list[Collective], mesh_shape: dict) -> dict:

@@ -203,8 +203,10 @@ def make_train_step(plan: Plan, graphdef, shardings: TrainState, with_grads: boo
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
-def compile_step(plan: Plan, step_fn, abstract: TrainState, shardings: TrainState):
-    """AOT-compile a train step from abstract shapes (nothing allocated): (compiled, seconds)."""
+def compile_step(plan: Plan, step_fn, abstract: TrainState, shardings: TrainState,
+                 options: dict | None = None):
+    """AOT-compile a train step from abstract shapes (nothing allocated): (compiled, seconds).
+    `options`: XLA's compiler options for this compile (`hlo.dump_options`)."""
     import time
 
     from .store import abstract_like
@@ -213,5 +215,6 @@ def compile_step(plan: Plan, step_fn, abstract: TrainState, shardings: TrainStat
     batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
                                  sharding=plan.batch_sharding)
     start = time.perf_counter()
-    compiled = step_fn.lower(abstract_like(abstract, shardings), batch).compile()
+    compiled = step_fn.lower(abstract_like(abstract, shardings), batch).compile(
+        compiler_options=options)
     return compiled, time.perf_counter() - start

@@ -174,6 +174,28 @@ def test_analytic_memory_is_the_compiled_within_5_percent(name):
     needed = mem["needed_bytes"] + mem["host_bytes"]
     assert needed == pytest.approx(compiled["needed_bytes"], rel=0.05), (
         mem["temp_bytes"] / 1e6, mem["host_bytes"] / 1e6, compiled["compiled"]["temp_bytes"] / 1e6)
+    # what the compiled step's buffer holds alive at once, at most all of it
+    assert 0 < compiled["compiled"]["live_temp_bytes"] <= compiled["compiled"]["temp_bytes"]
+
+
+def test_the_temporaries_alive_at_once_are_read_from_the_buffer_assignment(tmp_path):
+    """`hlo.live_temp_bytes`: x @ x and its running sum are alive together while the sum runs,
+    two [n, n] fp32 temporaries, all the temp buffer holds; in a chain of two such steps XLA's
+    buffer holds more than is ever alive at once (its packing)."""
+    import jax
+    import jax.numpy as jnp
+
+    from spmd3d import hlo
+
+    n, x = 512, jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    one, chain = tmp_path / "one", tmp_path / "chain"
+    c = jax.jit(lambda x: jnp.cumsum(x @ x, axis=0)[:8]).lower(x).compile(
+        compiler_options=hlo.dump_options(str(one)))
+    assert hlo.live_temp_bytes(str(one)) == hlo.memory(c)["temp_bytes"] == 2 * n * n * 4
+    c = jax.jit(lambda x: jnp.cumsum(jnp.cumsum(x @ x, axis=0) @ x, axis=1)[:8]).lower(
+        x).compile(compiler_options=hlo.dump_options(str(chain)))
+    assert 2 * n * n * 4 <= hlo.live_temp_bytes(str(chain)) < hlo.memory(c)["temp_bytes"]
+    assert hlo.live_temp_bytes(str(tmp_path / "nothing")) is None
 
 
 @pytest.mark.parametrize("name", by_layout([*MEMORY_LAYOUTS, *MOE_LAYOUTS]))

@@ -47,9 +47,11 @@ def ratio(args: list[str]) -> tuple[float, dict, dict]:
 def check(seed: int, tokenizer: str) -> None:
     args, _ = draw(seed, tokenizer)
     r, mem, compiled = ratio(args)
+    c = compiled["compiled"]
     line = (f"seed {seed}: needed analytic/compiled {r:.3f} (temp {mem['temp_bytes'] / 1e9:.2f}"
-            f" / {compiled['compiled']['temp_bytes'] / 1e9:.2f} GB, compiled in "
-            f"{compiled['compile_s']:.0f} s): {describe(args)}")
+            f" / {c['temp_bytes'] / 1e9:.2f} GB, of which alive at once "
+            f"{c['live_temp_bytes'] / 1e9:.2f}; compiled in {compiled['compile_s']:.0f} s): "
+            f"{describe(args)}")
     print(line)
     assert LOW <= r <= HIGH, line
 

@@ -152,8 +152,10 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
     def versus(analytic, key):
         if compiled is None:
             return ""
-        got = compiled["compiled"][key]
-        return f"   compiled {gb(got)} (analytic/compiled {analytic / got:.3f})"
+        got, live = compiled["compiled"][key], compiled["compiled"].get(f"live_{key}")
+        return (f"   compiled {gb(got)} (analytic/compiled {analytic / got:.3f}"
+                + (f"; of the {gb(live)} alive at once {analytic / live:.3f}" if live else "")
+                + ")")
 
     lines = [
         "analytic, per device (GB)",
