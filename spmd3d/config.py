@@ -35,12 +35,29 @@ def _yaml_name(f: dataclasses.Field) -> str:
 
 
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_BOOL = "tag:yaml.org,2002:bool"
+_WORDS = {"yes": True, "on": True, "no": False, "off": False}  # YAML 1.1's other booleans
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with only true and false as booleans (as YAML 1.2 has it): `off`, `on`, `yes`, `no`
+    stay text, so a text field takes them as written (`model.fp8: off`); a boolean field reads
+    them as YAML 1.1 did (`_coerce`)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
 
 
 def _coerce(path: str, value, typ):
     if typ is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in _WORDS:
+            return _WORDS[value.lower()]
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -55,8 +72,6 @@ def _coerce(path: str, value, typ):
             return value
         if value is None:
             return ""
-        if isinstance(value, bool):  # YAML 1.1 reads `off` (and no, false) as False
-            return "off" if value is False else "on"
     else:  # pragma: no cover - only the types above are used
         raise TypeError(typ)
     raise ConfigError(path, f"expected {typ.__name__}, got {value!r}")
@@ -166,7 +181,7 @@ def load(path: str | None = None, overrides: list[str] | tuple = (),
     if path:
         p = find_config(path, config_dir)
         try:
-            tree = yaml.safe_load(p.read_text())
+            tree = yaml.load(p.read_text(), _Loader)
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError("config", f"cannot read {path!r} ({e})")
         except yaml.YAMLError as e:
@@ -181,7 +196,7 @@ def load(path: str | None = None, overrides: list[str] | tuple = (),
         if not key:
             raise ConfigError("argv", f"bad override {ov!r} (expected key=value)")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, _Loader) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
         _set_dotted(tree, key, value)

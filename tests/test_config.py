@@ -48,7 +48,10 @@ def test_defaults_equal_demo_yaml():
     ("run.explain=false", "run", "explain", False),
     ("data.path=foo", "data", "path", "foo"),
     ("model.dtype=bfloat16", "model", "dtype", "bfloat16"),
-    ("model.fp8=off", "model", "fp8", "off"),  # YAML 1.1 reads `off` as False
+    ("model.fp8=off", "model", "fp8", "off"),  # YAML 1.1 read `off` as False
+    ("data.path=no", "data", "path", "no"),  # text as written, not a boolean's spelling
+    ("parallel.sequence_parallel=yes", "parallel", "sequence_parallel", True),
+    ("run.explain=off", "run", "explain", False),
     ("model.fp8=delayed", "model", "fp8", "delayed"),
 ])
 def test_override_types(override, section, name, expected):
