@@ -168,7 +168,9 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         + (f", a microbatch's experts' gradients {gb(k['expert_gradients'])}"
            if k["expert_gradients"] else "")
         + (f", a microbatch's gradients reduced whole {gb(k['whole_gradients'])}"
-           if k["whole_gradients"] else "") + versus(mem["temp_bytes"], "temp_bytes"),
+           if k["whole_gradients"] else "")
+        + (f"; at a microbatch's end its tables' gradients {gb(k['table_gradients'])} beside "
+           f"the accumulator" if k["table_gradients"] else "") + versus(mem["temp_bytes"], "temp_bytes"),
         f"  needed      {gb(mem['needed_bytes']):>8}   of {topo.device_memory_gb:g} on "
         f"{topo.name}" + ("" if compiled is None else
                           f"   compiled {gb(compiled['needed_bytes'])} (analytic/compiled "

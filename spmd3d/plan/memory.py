@@ -57,14 +57,12 @@ def _inventory(m: ModelConfig, layers: int) -> tuple[dict, frozenset]:
 
 
 def param_shapes(m: ModelConfig, layers: int) -> dict:
-    """{parameter key: (global shape, logical names)} of the model with `layers` stored
-    layer slots, as `model.Transformer` builds them (`_inventory`)."""
+    """{parameter key: (global shape, logical names)} with `layers` layer slots (`_inventory`)."""
     return _inventory(m, layers)[0]
 
 
 def untrained(m: ModelConfig, layers: int) -> frozenset:
-    """The keys of `param_shapes` that the optimizer does not train (`untrained.Untrained`:
-    no moments)."""
+    """The keys of `param_shapes` the optimizer does not train (`Untrained`: no moments)."""
     return _inventory(m, layers)[1]
 
 
@@ -132,6 +130,18 @@ def layer_weights(plan) -> int:
     return layer * ((c if rules.params_over_batch else 0) + c + F32)
 
 
+def table_gradients(plan) -> int:
+    """Accumulating without a pipeline: a microbatch's fp32 gradients of the embedding and
+    the head (their compute shard, whole over the token axes) and, when ZeRO-2/3 shard the
+    accumulator, their sum over those axes (`reduce_inside_accumulation`; a whole one shares
+    bytes with the sum)."""
+    deg, accumulating = plan.degrees, plan.schedule is None and plan.accum_steps > 1
+    reduced = (deg.batch * deg.seq > 1 and plan.rules.grads_over_batch and deg.zero > 1
+               and applies("reduce_inside_accumulation"))
+    return accumulating * (1 + reduced) * (table_shard(plan, "head")
+                                           + table_shard(plan, "embed")) * F32
+
+
 def expert_gradients(plan) -> int:
     """MoE without a pipeline: a microbatch's gradient of the experts, whole over their
     replicas and in fp32 (their shard_map sums it over the token axes, `manual.vary`), beside
@@ -178,13 +188,17 @@ def over_stage(plan) -> bool:
 
 
 def gathered_tables(plan) -> int:
-    """The head and final norm whole over the stages, in the parameter dtype, while the
-    pipeline runs (the loss needs them; the embedding is looked up in its slices, the dense
-    layers are gathered one at a time)."""
-    if not over_stage(plan):
-        return 0
+    """Tables held whole for the step: a pipeline's head and final norm, in the parameter
+    dtype, when split over the stages (the embedding is looked up in its slices, the dense
+    layers gathered one at a time); accumulating under ZeRO-3 without a pipeline, the
+    embedding as stored and the head in the compute dtype (XLA hoists the gathers)."""
     m = plan.cfg.model
-    return (table_shard(plan, "head") + m.d_model) * itemsize(m.param_dtype)
+    if over_stage(plan):
+        return (table_shard(plan, "head") + m.d_model) * itemsize(m.param_dtype)
+    hoisted = plan.schedule is None and plan.accum_steps > 1 and plan.degrees.zero > 1
+    return hoisted * plan.rules.params_over_batch * (
+        table_shard(plan, "embed") * itemsize(m.param_dtype)
+        + table_shard(plan, "head") * itemsize(m.dtype))
 
 
 def table_shard(plan, which: str) -> int:
@@ -335,7 +349,8 @@ def memory(plan) -> dict:
     temporaries and the total. The temporaries' peak: gradients, saved activations and the
     pipeline's buffers, plus the larger of the loss's working set (the head's backward runs
     before any layer's) and one layer's backward; a schedule that runs the head per
-    microbatch inside the pipeline (1F1B, ZB-H1) also accumulates the head's gradient."""
+    microbatch inside the pipeline (1F1B, ZB-H1) also accumulates the head's gradient; an
+    accumulating step's microbatch end may be larger (`table_gradients`)."""
     kinds = {**state_bytes(plan), **working_terms(plan), **activation_bytes(plan)}
     s, m = plan.schedule, plan.cfg.model
     head = table_shard(plan, "head") * F32
@@ -344,8 +359,7 @@ def memory(plan) -> dict:
     # each MTP depth's use of the head and the embedding holds one more of each, whole
     sharded = plan.rules.grads_over_batch and plan.degrees.zero > 1
     embed = table_shard(plan, "embed")
-    kinds["head_gradients"] = (head if sharded else 0) + (2 * head if s and s.head_inside
-                                                          else 0) + \
+    kinds["head_gradients"] = (sharded + 2 * bool(s and s.head_inside)) * head + \
         m.mtp_layers * (head + embed * F32)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
@@ -359,8 +373,7 @@ def memory(plan) -> dict:
     if (s is None and plan.accum_steps == 1 and not sp and deg.seq == 1 and deg.batch > 1
             and c < F32 and applies("head_gradient_fp32_copy")):
         loss += head // F32 * (F32 - c)
-    kinds["w_stash"] = 0
-    kinds["mtp_working"] = mtp_working(plan, kinds) if s is not None else 0
+    kinds["w_stash"], kinds["mtp_working"] = 0, mtp_working(plan, kinds) if s is not None else 0
     if s is not None and s.mode == "switch":  # the W stash waits beside the branches
         kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
         peak = (1 + applies("branch_buffers")) * loss + kinds["mtp_working"] + layer + \
@@ -375,9 +388,13 @@ def memory(plan) -> dict:
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["gathered_tables"] + kinds["dense_activations"]
-            + kinds["head_gradients"] + kinds["expert_gradients"]
-            + kinds["whole_gradients"]
+            + kinds["head_gradients"] + kinds["expert_gradients"] + kinds["whole_gradients"]
             + peak)
+    # accumulating without a pipeline, a microbatch's end: its tables' gradients beside the
+    # accumulator; the activations and the experts' microbatch gradient are gone by then
+    kinds["table_gradients"] = table_gradients(plan)
+    temp = max(temp, kinds["gradients"] + kinds["table_gradients"] + kinds["gathered_tables"]
+               + kinds["whole_gradients"])
     args = kinds["parameters"] + kinds["optimizer_state"]
     return {"by_kind": kinds, "argument_bytes": args, "temp_bytes": temp,
             "needed_bytes": args + temp, "host_bytes": kinds.pop("host_activations")}
