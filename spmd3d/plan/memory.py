@@ -274,9 +274,9 @@ def activation_bytes(plan) -> dict:
     # a pass that keeps its input alone: stage remat, and circular GPipe's recomputed stages
     whole = policy == "stage" or (s is not None and s.recomputes_stage)
     inner = "full" if policy == "stage" else policy  # the policy inside a stage checkpoint
-    if s is None:  # gradient accumulation: one microbatch's layers at a time (and MTP's)
-        passes, per_pass = 1, (kept("full") if whole else layers * kept(policy)) + \
-            cfg.model.mtp_layers * kept(inner)
+    if s is None:  # one microbatch's layers at a time (and MTP's), and the experts' as used
+        passes, per_pass = 1, (kept("full") if whole else layers * (
+            kept(policy) + layer.fixed_kept[policy] / n)) + cfg.model.mtp_layers * kept(inner)
     else:  # autodiff keeps every slot's pass (bubbles included), the others their stash
         passes = s.saved_passes
         stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)

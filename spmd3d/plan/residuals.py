@@ -65,6 +65,7 @@ class Residual:
     mlp: bool = False  # made in the MLP (its `named_scope`): gone before attention's backward
     host: bool = False  # kept in host memory (an offloading policy's): no device bytes
     made: bool = True  # made by the layer (not one of its inputs: the weights as stored, x)
+    experts: bool = False  # made in the MoE layer's experts (their `named_scope`)
 
 
 class _PerPolicy(dict):
@@ -93,6 +94,10 @@ class LayerBytes:
     # that does not grow with the tokens (a custom_vjp's residuals, which no policy sees: the
     # experts' weights as used), which a stashing schedule keeps per pass
     fixed: dict
+    # ... and of it what a scan of layers without a pipeline stacks for its backward: the
+    # experts' (the grouped matmul's residuals, which XLA must keep); a dense layer's casts of
+    # its weights XLA makes again where the backward's matmuls use them
+    fixed_kept: dict
 
     def handed_over(self, policy: str, tensor_split: int = 1) -> float:
         """What `jax.vjp` hands over under `policy` in device memory: what 1F1B and ZB-H1
@@ -179,10 +184,10 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
         return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select, a.mlp, a.host)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
 
-    def fixed(policy):  # made by the layer and the same at any rows: per device
+    def fixed(policy, experts=False):  # made by the layer, the same at any rows: per device
         one, two = residuals(policy, 1), residuals(policy, 2)
-        return sum(a.nbytes for a, b in zip(one, two)
-                   if a.made and not a.host and b.nbytes == a.nbytes) / ep
+        return sum(a.nbytes for a, b in zip(one, two) if a.made and not a.host
+                   and b.nbytes == a.nbytes and (a.experts or not experts)) / ep
 
     def taps(rows):
         tapped = ops.tap()
@@ -199,7 +204,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
     (i1, o1), (i2, o2) = taps(1), taps(2)
     per = tokens * ep
     return LayerBytes(_PerPolicy(per_token), (i2 - i1) / per, (o2 - o1) / per,
-                      _PerPolicy(fixed))
+                      _PerPolicy(fixed), _PerPolicy(lambda p: fixed(p, experts=True)))
 
 
 def _stream_scopes() -> frozenset:
@@ -231,5 +236,6 @@ def _describe(jaxpr) -> list[Residual]:
                             stream=eqn is None or bool(scopes & stream_scopes), select=select,
                             mlp=any(c.endswith(("mlp", "(mlp)")) for c in scopes),
                             host=str(getattr(aval, "memory_space", "")).endswith("Host"),
-                            made=eqn is not None))
+                            made=eqn is not None,
+                            experts=any(c.endswith(("experts", "(experts)")) for c in scopes)))
     return out
