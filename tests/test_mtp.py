@@ -141,8 +141,9 @@ def test_import_gives_transformers_mtp_loss(hf_mtp):
     def summed(weight):  # the loss with the depth's cross-entropy times `weight`
         p = Plan.resolve(replace(cfg, model=replace(cfg.model, mtp_loss_weight=weight)),
                          jax.devices()[:1])
-        return float(forward.loss_sum(p, abstract_model(p.cfg.model)[0], params,
-                                      jnp.asarray(tokens))[0])
+        graphdef = abstract_model(p.cfg.model)[0]  # jitted: eager, the two took most of 50 s
+        return float(jax.jit(lambda w, t: forward.loss_sum(p, graphdef, w, t)[0])(
+            params, jnp.asarray(tokens)))
 
     assert summed(1.0) - summed(0.0) == pytest.approx(theirs, rel=1e-5)
 
