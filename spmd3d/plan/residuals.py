@@ -232,10 +232,11 @@ def _describe(jaxpr) -> list[Residual]:
         scopes = set(str(eqn.source_info.name_stack).split("/")) if eqn is not None else set()
         select = eqn is not None and (eqn.primitive.name == "select_n" or str(
             eqn.params.get("name", "")) == "_where")
+        within = lambda name: any(c.endswith((name, f"({name})")) for c in scopes)  # noqa: E731
         out.append(Residual(float(aval.size * aval.dtype.itemsize),
                             stream=eqn is None or bool(scopes & stream_scopes), select=select,
-                            mlp=any(c.endswith(("mlp", "(mlp)")) for c in scopes),
+                            mlp=within("mlp"),
                             host=str(getattr(aval, "memory_space", "")).endswith("Host"),
                             made=eqn is not None,
-                            experts=any(c.endswith(("experts", "(experts)")) for c in scopes)))
+                            experts=within("experts")))
     return out
