@@ -102,18 +102,3 @@ def pytest_collection_modifyitems(config, items):
         if any(node == f or node.startswith((f + "::", f + "[")) for f in FAST):
             item.add_marker(pytest.mark.fast)
 
-
-def pytest_runtest_setup(item):
-    """`--dist loadgroup` keeps the tests of one `xdist_group` (a layout's: `helpers.by_layout`)
-    on one worker, which then sets the layout up and compiles it once: pytest-xdist passes the
-    group to its scheduler as an "@group" suffix of the node id. pytest 9.2's node ids drop the
-    suffix without a word (pytest-xdist 3.8), and a group's tests then scatter over the
-    workers, each compiling the layout: `pyproject.toml` keeps pytest below 9.2, and a grouped
-    test that lost its group fails here rather than let the suite run slow unnoticed."""
-    import pytest
-
-    if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
-            and "@" not in item.nodeid):
-        pytest.fail(f"pytest {pytest.__version__} with this pytest-xdist does not keep an "
-                    "xdist_group's tests on one worker: install pytest < 9.2 (pyproject.toml)",
-                    pytrace=False)
