@@ -83,21 +83,13 @@ def train_losses(cfg, steps=None):
 
 
 @functools.cache
-def step_with_grads(cfg):
-    """`cfg`'s train step that also returns its gradients (`make_train_step(with_grads=True)`),
-    one jitted function per config: a test that reads its lowering (`.lower(...)`) and then
-    runs it (`run_with_grads`) traces and lowers it once."""
-    job = job_for(cfg)
-    return make_train_step(job.plan, job.graphdef, job.shardings, with_grads=True)
-
-
-@functools.cache
 def run_with_grads(cfg):
     """(per-step losses, (loss, gradients) at step 0) of `cfg.train.steps` train steps from the
     fresh state, all from one compiled step that also returns its gradients
     (`make_train_step(with_grads=True)`): a layout whose losses and gradients are both compared
     compiles once, not a step and a gradient function."""
-    job, step = job_for(cfg), step_with_grads(cfg)
+    job = job_for(cfg)
+    step = make_train_step(job.plan, job.graphdef, job.shardings, with_grads=True)
     state, losses, first = start_state(cfg), [], None
     for s in range(cfg.train.steps):
         state, metrics = step(state, job.global_batch(s))

@@ -34,11 +34,13 @@ sharding constraint's copy, "Invalid binary instruction opcode copy").
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
 from helpers import (first_grads, job_for, max_rel_diff, reference_run, run_with_grads,
-                     small_config, start_state, step_with_grads)
+                     small_config)
+from spmd3d.store import abstract_like
 
 BF16 = ["model.dtype=bfloat16", "train.steps=3", "model.num_layers=4"]
 U = 2**-8  # bf16's unit roundoff
@@ -127,11 +129,13 @@ def moe_reference():
     return reference_run(moe_cfg())
 
 
-def reducer_dtypes(cfg):
+def reducer_dtypes(job):
     """The element type of every all-reduce's and reduce-scatter's reducer in the lowered step
-    (before XLA's passes: what XLA:CPU's all-reduce promotion sees): the step that returns its
-    gradients too, which `run_with_grads` then compiles from the same lowering."""
-    text = step_with_grads(cfg).lower(start_state(cfg), job_for(cfg).global_batch(0)).as_text()
+    (before XLA's passes: what XLA:CPU's all-reduce promotion sees)."""
+    t = job.cfg.train
+    batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), np.int32,
+                                 sharding=job.plan.batch_sharding)
+    text = job.step_fn.lower(abstract_like(job.abstract, job.shardings), batch).as_text()
     return re.findall(r'"stablehlo\.(?:all_reduce|reduce_scatter)".*\n\s*\^bb0\(%\w+: tensor<(\w+)>',
                       text)
 
@@ -171,7 +175,7 @@ def _check(c, reference, grads_too, bound, truth=None):
     from them than `bound` may differ from it by 1.5 times that distance (module docstring)."""
     # first, before anything compiles: no gradient is summed over devices in bf16
     job = job_for(c)
-    dtypes = reducer_dtypes(c)
+    dtypes = reducer_dtypes(job)
     assert dtypes and "bf16" not in dtypes, dtypes
     ref_losses, (ref_loss, ref_grads) = reference
     # one compiled step gives the losses and step 0's gradients (`helpers.run_with_grads`)
