@@ -101,4 +101,3 @@ def pytest_collection_modifyitems(config, items):
         node = item.nodeid.removeprefix("tests/").partition("@")[0]  # less xdist's group
         if any(node == f or node.startswith((f + "::", f + "[")) for f in FAST):
             item.add_marker(pytest.mark.fast)
-
