@@ -101,3 +101,22 @@ def pytest_collection_modifyitems(config, items):
         node = item.nodeid.removeprefix("tests/").partition("@")[0]  # less xdist's group
         if any(node == f or node.startswith((f + "::", f + "[")) for f in FAST):
             item.add_marker(pytest.mark.fast)
+        if getattr(config.option, "loadgroup", False):
+            _keep_group(item)
+
+
+def _keep_group(item) -> None:
+    """Give a grouped test its "@group" suffix where pytest >= 9.2 dropped it.
+
+    `--dist loadgroup` keeps an `xdist_group` on one worker by reading that suffix of the
+    node id, which pytest-xdist 3.8 writes into `item._nodeid`; pytest 9.2 keeps node ids in
+    `item._id` and never reads `_nodeid`, so every group was scattered without a word
+    (pytest-xdist issue 1386). Older pytest (no `_id`) and an xdist that wrote it are left
+    alone."""
+    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+             for m in item.iter_markers("xdist_group")}
+    if not names or not hasattr(item, "_id") or "@" in item.nodeid.rpartition("]")[2]:
+        return
+    from _pytest.nodeid import NodeId  # pytest has no public way to set an item's id
+
+    item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
