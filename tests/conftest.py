@@ -46,8 +46,10 @@ if "SPMD3D_TEST_SHARED" not in os.environ:  # what the workers share (`helpers.r
     atexit.register(shutil.rmtree, os.environ["SPMD3D_TEST_SHARED"], True)
 
 
-# `make test-fast`: each feature once, for a minute or three of feedback (`make test` runs
-# everything). An entry is a test file (all its tests), a test, or one parametrization of it.
+# `make test-fast`: each feature once, within three minutes (`make test` runs everything,
+# among it what is left out here for its cost: real multi-process jobs, MLA's layouts, a run
+# resumed on other meshes, the planner's drawn layouts). An entry is a test file (all its
+# tests), a test, or one parametrization of it.
 FAST = (
     # the contract: configuration, the command line, the docs, the import graph
     "test_config.py", "test_cli.py", "test_docs.py", "test_structure.py",
@@ -58,14 +60,13 @@ FAST = (
     "test_pipeline.py::test_every_table_runs_each_operation_once_after_what_it_needs",
     "test_pipeline.py::test_pipeline_losses_match_one_device[zb_dp2_pp2_tp2_sp_zero3]",
     "test_context.py::test_context_parallel_grads_match_one_device[dp2_seq4_tiles2]",
-    "test_ring.py::test_ring_equals_dense[4]",
     "test_per_device.py",
     # the features: MoE, bfloat16, FP8, packed documents, the chunked loss
     "test_moe.py::test_routing_is_transformers[mixtral-True]",
     "test_moe.py::test_deepseek_v3_routing_is_transformers[4-2-True-2.5]",
     "test_tgmm.py::test_weight_gradient_equals_the_oracle",
-    "test_moe_layouts.py::test_moe_layouts_match_one_device[ep2_tp2_sp_zb_h1]",
-    "test_bf16.py::test_bf16_moe_matches_one_device[moe_ep2_dp4_tp2_sp]",
+    "test_moe_layouts.py::test_moe_layouts_match_one_device[ep2_dp4_tp2_sp]",
+    "test_bf16.py::test_bf16_matches_one_device[dp4_tp2_sp]",
     "test_fp8.py::test_layouts_give_one_devices_fp8_numbers[dp4_tp2_sp]",
     "test_documents.py::test_packed_documents_on_8_devices_equal_one[dp4_ring2]",
     "test_loss.py::test_loss_chunks",
@@ -73,24 +74,20 @@ FAST = (
     "test_offload.py::test_a_gpu_program_copies_to_the_host_and_back",
     "test_hsdp.py::test_collectives_run_per_group",
     "test_deepseek.py::test_import_onto_tensor_and_experts_gives_one_device_logits",
-    "test_deepseek.py::test_mla_with_deepseek_routing_matches_one_device[ds_ep2_zb_h1_tp2_sp]",
     "test_mtp.py::test_import_gives_transformers_mtp_loss",
     # the planner against the compiled step
     "test_estimate.py::test_analytic_memory_is_the_compiled_within_5_percent[tensor 2 SP, seq 2, zero3, save_dots]",
-    "test_planner_property.py",
     # a run: checkpoints onto other meshes, data, Hugging Face, generation, the API
     "test_checkpoint.py::test_resharding_roundtrip[False]",
-    "test_train.py::test_run_dir_layout_and_resume_across_meshes",
     "test_data.py",
     "test_convert.py::test_import_onto_a_mesh_gives_one_device_logits[data2_tensor4]",
     "test_generate.py::test_greedy_equals_argmax_of_full_logits[tensor4]",
-    "test_api.py::test_an_expert_axis_takes_its_devices_and_equals_one_device",
+    "test_api.py::test_params_table_matches_rules_and_the_state",
     "test_chat.py::test_tokens_are_transformers_and_only_the_assistant_is_trained",
     "test_mixture.py::test_a_steps_batch_is_the_same_whatever_the_processes",
     "test_plan.py::test_plan_from_a_topology_equals_the_plan_on_devices",
-    # several hosts: discovery, and four real processes against one device
+    # several hosts: discovery, the launchers, the watchdog, each process's rows
     "test_dist.py",
-    "test_multihost.py::test_four_processes_match_one_device",
 )
 
 
