@@ -1,6 +1,8 @@
 # make train: trains the demo model (simulated CPU devices when there is no GPU)
-# make test:  the test suite on 8 simulated CPU devices
+# make test:  the test suite on 8 simulated CPU devices, less its costly repeats (SLOW)
 # make test-fast: each feature once (tests/conftest.py FAST), a few minutes
+# make test-slow: the costly repeats make test leaves out (tests/conftest.py SLOW; CI runs them)
+# make test-all: both, in one session
 # make test-planner: the planner's estimate against the compiled step on 24 drawn layouts
 # make bench: throughput / compile time / memory of a named config and mesh (BENCH_ARGS=...)
 # make notebook: opens notebooks/small_meshes.ipynb in JupyterLab (installed into .venv on first use)
@@ -20,7 +22,7 @@ endif
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 STAMP := $(VENV)/.installed-python$(PYVER)
 
-.PHONY: train test test-fast test-planner bench notebook versions clean
+.PHONY: train test test-fast test-slow test-all test-planner bench notebook versions clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYVER)" || { echo "$(PYTHON) does not run"; exit 1; }
@@ -39,6 +41,12 @@ train: $(STAMP)
 	$(PY) -m spmd3d.train $(ARGS)
 
 test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 -m "not slow" tests $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 -m slow tests $(PYTEST_ARGS)
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=10 tests $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -207,7 +207,6 @@ def readme_snippet() -> str:
     return m.group(1)
 
 
-@pytest.mark.slow
 def test_readme_api_snippet_runs(tmp_path):
     """The README's snippet, as a user would run it: a fresh interpreter, no device flags."""
     out = subprocess.run([sys.executable, "-c", readme_snippet()], cwd=tmp_path, env=clean_env(),

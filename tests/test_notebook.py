@@ -50,7 +50,6 @@ def test_notebook_is_committed_without_outputs():
     assert first.index("spmd3d.simulate(8)") < first.index("import jax")
 
 
-@pytest.mark.slow
 def test_notebook_runs(tmp_path, monkeypatch):
     jupyter_dir = tmp_path / "jupyter"
     write_kernelspec(jupyter_dir)

@@ -40,7 +40,6 @@ def per_device_params() -> float:
     return blocks + 2 * V * D / TENSOR + (2 * LAYERS / STAGE + 1) * D
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
 def test_real_widths_compile_to_the_counted_bytes(zero):
     r = plan_compile(f"parallel.zero_stage={zero}")
