@@ -104,15 +104,18 @@ FAST = (
 SLOW = (
     # processes: test_dist's launchers and watchdog, test_resilience's kill -9 and damage,
     # test_checkpoint's resharding, test_convert's import, test_api's Experiment
-    "test_multihost.py", "test_elastic.py::test_a_lost_host_is_survived_with_the_losses_of_the_whole_job",
+    "test_multihost.py",
+    "test_elastic.py::test_a_lost_host_is_survived_with_the_losses_of_the_whole_job",
     "test_elastic.py::test_too_few_hosts_left_stop_the_job_with_its_reason_and_the_checkpoints_intact",
     "test_notebook.py::test_notebook_runs", "test_api.py::test_readme_api_snippet_runs",
+    "test_install.py::test_the_built_wheel_trains_from_another_directory",
+    "test_finetune.py::test_import_train_generate_export",
     "test_resilience.py::test_resume_onto_other_meshes_zero_stages_and_pipelines",
     "test_fp8.py::test_scale_state_survives_kill9_and_resumes_exactly",
-    "test_finetune.py::test_import_train_generate_export",
-    "test_install.py::test_the_built_wheel_trains_from_another_directory",
     "test_hsdp.py::test_a_checkpoint_restores_onto_another_grouping",
     "test_moe_layouts.py::test_checkpoint_resumes_at_another_expert_parallel_degree",
+    "test_train.py::test_circular_pipeline_checkpoint_is_canonical",
+    "test_api.py::test_data_parallel_losses_equal_one_device",
     # real widths: test_estimate's layouts, the planner's drawn sample; --search's refusals stay
     "test_scale.py::test_real_widths_compile_to_the_counted_bytes",
     "test_estimate.py::test_deepseek_v3_preset_compiles_within_an_h800",
@@ -121,34 +124,37 @@ SLOW = (
     "test_search.py::test_the_published_layouts_fit_and_are_ranked",
     "test_search.py::test_search_cli_json_and_compile_top",
     "test_search.py::test_search_lays_out_the_configs_own_device_count",
+    "test_search.py::test_search_lays_out_the_experts_too",
     # the planner's layouts: kept are ZeRO-0 without remat, tensor+SP with the ring and ZeRO-3,
     # the ring over 4, HSDP with the ring and accumulation, 4 stages of 1F1B, MoE with tensor+SP
     *(f"test_estimate.py[{k}]" for k in (
         "moe, 16 experts, 1f1b, no remat", "moe, mtp, experts 2 x 2, tensor 2, zero3",
         "gpipe, mtp, tensor 2", "hsdp 2 x 2, gpipe 2, zero3", "moe, capacity, experts 4 x 2",
-        "moe, experts 4 x 2, 2 accumulated", "gpipe, tensor 2 SP, remat stage", "tensor 4 SP, zero1",
-        "interleaved 1f1b, tensor 2", "ulysses, tensor 2 SP, seq 2, zero3, save_dots",
-        "hsdp 2 x 4, zero3", "circular gpipe", "zero1, remat full", "4 accumulated, zero2",
-        "tensor 2, zero2, save_dots", "moe, mtp, 1f1b, experts 2, tensor 2", "moe, experts 4, zero3",
-        "ulysses over seq 4", "tensor 2 SP, offload_dots",
-        "moe, 1f1b, tensor 2 SP")),
+        "moe, experts 4 x 2, 2 accumulated", "gpipe, tensor 2 SP, remat stage",
+        "tensor 4 SP, zero1", "interleaved 1f1b, tensor 2",
+        "ulysses, tensor 2 SP, seq 2, zero3, save_dots", "hsdp 2 x 4, zero3", "circular gpipe",
+        "zero1, remat full", "4 accumulated, zero2", "tensor 2, zero2, save_dots",
+        "moe, mtp, 1f1b, experts 2, tensor 2", "moe, experts 4, zero3", "ulysses over seq 4",
+        "tensor 2 SP, offload_dots", "moe, 1f1b, tensor 2 SP")),
     # pipelines: kept are GPipe with tensor, circular GPipe, 4 stages with the chunked loss, 1F1B
     # and ZB-H1 with tensor+SP+ZeRO-3, interleaved 1F1B, uneven stages; 1F1B's bubble on 4
-    # stages, a stage's temporaries; the rest of the schedules' matrix is left
+    # stages, a stage's temporaries; the rest of the schedules' matrix is left, and so are the
+    # 8-layer interleaved layouts and 1F1B's and ZB-H1's temporaries against microbatches
     *(f"test_pipeline.py[{k}]" for k in (
-        "1f1b_pp2_tp2_seq2_sp", "1f1b_dp4_pp2_m2", "zb_pp2_tp2_seq2_sp", "1f1b_dp2_pp2_tp2_v2_m8_sp_zero3",
-        "1f1b_dp2_pp2_tp2_save_dots_zero2", "1f1b_pp4_tp2_m16", "zb_dp2_pp2_tp2_v2_m8_sp_zero3",
-        "1f1b_dp2_pp4_m2", "zb_dp4_pp2_m2", "zb_dp2_pp2_tp2_stage_remat_zero2", "zb_dp2_pp4_m2",
-        "zb_pp4_tp2_m16", "dp2_pp2_tp2_zero3", "zb_dp4_pp2_v2_m2", "1f1b_pp2_tp2_seq2_v2_full_remat",
+        "1f1b_pp2_tp2_seq2_sp", "1f1b_dp4_pp2_m2", "zb_pp2_tp2_seq2_sp",
+        "1f1b_dp2_pp2_tp2_v2_m8_sp_zero3", "1f1b_dp2_pp2_tp2_save_dots_zero2", "1f1b_pp4_tp2_m16",
+        "zb_dp2_pp2_tp2_v2_m8_sp_zero3", "1f1b_dp2_pp4_m2", "zb_dp4_pp2_m2",
+        "zb_dp2_pp2_tp2_stage_remat_zero2", "zb_dp2_pp4_m2", "zb_pp4_tp2_m16", "dp2_pp2_tp2_zero3",
+        "zb_dp4_pp2_v2_m2", "1f1b_pp2_tp2_seq2_v2_full_remat",
         "1f1b_dp2_pp4_m8_full_remat_chunked_loss", "zb_dp2_pp2_tp2_save_dots", "dp4_pp2",
         "dp2_pp2_tp2_zero3_tick", "dp2_pp2_tp2_zero3_tick_tables", "1f1b_dp2_pp2_tp2_stage_remat",
-        "dp2_pp4_m4", "zb_dp2_pp4_m8_full_remat_chunked_loss", "2-2-2-gpipe", "2-4-2-1f1b",
-        "2-8-1-1f1b", "4-4-1-gpipe", "2-4-1-gpipe", "2-2-1-gpipe", "zb_h1-extra1",
-        "1f1b-extra0", "none-2")),
-    "test_uneven.py[dp2_pp2_tp2_v2_m2]", "test_pipeline.py[zb_dp2_pp2_seq2_full_remat]",
-    "test_pipeline.py[pp4_tp2_m2]", "test_pipeline.py[dp2_pp2_tp2_sp_stage_remat]",
-    "test_pipeline.py[dp2_pp2_tp2_v2_sp_zero1_remat]",
-    "test_pipeline.py::test_1f1b_and_zb_h1_temporaries_do_not_grow_with_microbatches", "test_train.py::test_circular_pipeline_checkpoint_is_canonical",
+        "dp2_pp4_m4", "zb_dp2_pp4_m8_full_remat_chunked_loss", "zb_dp2_pp2_seq2_full_remat",
+        "pp4_tp2_m2", "dp2_pp2_tp2_sp_stage_remat", "dp2_pp2_tp2_v2_sp_zero1_remat",
+        "2-2-2-gpipe", "2-4-2-1f1b", "2-8-1-1f1b", "4-4-1-gpipe", "2-4-1-gpipe", "2-2-1-gpipe",
+        "none-2")),
+    "test_pipeline.py::test_interleaved_on_four_stages_matches_one_device",
+    "test_pipeline.py::test_1f1b_and_zb_h1_temporaries_do_not_grow_with_microbatches",
+    "test_uneven.py[dp2_pp2_tp2_v2_m2]",
     # MoE: kept are experts with tensor+SP, with ZeRO-3, 1F1B, the capacity path; DeepSeek's
     # MLA and router with experts, tensor and Ulysses; dense layers between MoE ones with ZeRO-3;
     # MTP on and off (and its loss against transformers')
@@ -156,41 +162,39 @@ SLOW = (
         "ep2_tp2_interleaved_1f1b", "ep2_circular_gpipe", "ep8", "ep2_gpipe", "ep4_ring2",
         "ep2_tp2_sp_zb_h1", "ep2_hsdp2_zero3", "dense_every2_ep2_seq2_1f1b_uneven",
         "every2_ep2_tp2_sp_zb_h1")),
-    *(f"test_mtp.py[{k}]" for k in (
-        "mtp_ep2_zb_h1_tp2_sp", "mtp_ep4_tp2_sp_zero3", "mtp_ep2_1f1b_tp2", "mtp_ep2_gpipe_ring2_zero3",
-        "mtp_ep2_ring2_tp2")),
-    *(f"test_deepseek.py[{k}]" for k in (
-        "mixed_ep2_seq2_zb_h1", "mixed_dp2_seq2_gpipe_zero3", "mixed_ep4_tp2_sp_zero3",
-        "ds_ep2_ring2_tp2", "ds_ep4_tp2_sp_zero3", "ds_ep2_zb_h1_tp2_sp", "ds_ep2_1f1b_tp2",
-        "mixed_ep2_tp2_1f1b")),
-    "test_deepseek.py::test_dense_layers_before_a_pipeline_mask_packed_documents",
-    "test_moe_layouts.py::test_deepseek_routing_matches_one_device", "test_bf16.py[moe_ep4_x2_zero3]",
+    "test_moe_layouts.py::test_deepseek_routing_matches_one_device",
     "test_moe_layouts.py::test_capacity_with_room_for_all_is_dropless_and_reports_what_it_drops",
-    "test_search.py::test_search_lays_out_the_experts_too",
+    "test_mtp.py::test_mtp_matches_one_device",
+    "test_deepseek.py::test_dense_layers_before_moe_ones_match_one_device",
+    "test_deepseek.py::test_dense_layers_before_a_pipeline_mask_packed_documents",
+    *(f"test_deepseek.py[{k}]" for k in (
+        "ds_ep2_ring2_tp2", "ds_ep4_tp2_sp_zero3", "ds_ep2_zb_h1_tp2_sp", "ds_ep2_1f1b_tp2")),
     # bfloat16: kept are data x tensor+SP, ZeRO-3, 1F1B with tensor and ZeRO-3, MoE with experts
     # and tensor+SP (the layout whose compile aborted)
     *(f"test_bf16.py[{k}]" for k in (
         "dp2_pp2_seq2_zb_h1", "dp8_zero1", "dp2_seq4_tiles2", "dp4_seq2", "dp4_pp2_gpipe",
         "ulysses_dp2_tp2_seq2_sp", "hsdp2x2_tp2_zero3_offload", "moe_ep2_pp2_1f1b", "moe_ep8",
-        "moe_ep4_capacity")),
+        "moe_ep4_capacity", "moe_ep4_x2_zero3")),
     "test_bf16.py::test_bf16_deepseek_matches_one_device",
     "test_bf16.py::test_bf16_dense_layers_between_moe_ones_match_one_device",
     # FP8: kept is data x tensor+SP; context: the ring, its tiles, with tensor+SP+ZeRO-3, Ulysses;
-    # packed documents over the ring and Ulysses; offloading with tensor+SP+ZeRO-3; HSDP with
-    # ZeRO-3 and accumulation; sampling and the latent cache on one layout each
+    # packed documents over the ring and Ulysses, and in the Pallas kernel; offloading with
+    # tensor+SP+ZeRO-3; HSDP with ZeRO-3 and accumulation; sampling and the latent cache on one
+    # layout each
     *(f"test_fp8.py[{k}]" for k in ("dp2_pp2_tp2_1f1b", "zb_dp4_pp2_m4", "zero3_dp2_seq2_tp2_sp")),
     *(f"test_context.py[{k}]" for k in (
         "ulysses_dp2_pp2_seq2_1f1b", "pp2_tp2_seq2_chunked_loss", "dp2_pp2_seq2_zero1",
         "dp2_tp2_seq2_chunked_loss", "ulysses_tp2_seq4_sp_zero3", "seq8")),
-    *(f"test_offload.py[{k}]" for k in ("offload_dots_dp4_seq2", "offload_dots_pp2_dp4",
-                                                    "offload_dp2_pp2_tp2_gpipe")),
+    *(f"test_documents.py::test_packed_documents_on_8_devices_equal_one[{k}]" for k in (
+        "pp2_1f1b_ring2_dp2", "pp2_zb_h1_gather2_dp2", "dp2_tp2_ring2_micro2", "dp2_ring4",
+        "dp2_tp4_sp", "pp2_gpipe_dp2_tp2")),
+    "test_documents.py::test_the_pallas_kernel_with_packed_documents_on_8_devices_equals_one"
+    "[dp4_tp2_micro2]",
+    *(f"test_offload.py[{k}]" for k in (
+        "offload_dots_dp4_seq2", "offload_dots_pp2_dp4", "offload_dp2_pp2_tp2_gpipe")),
     *(f"test_hsdp.py[{k}]" for k in ("hsdp_2x2_tp2_zero2", "hsdp_2x4_zero1", "hsdp_2x2_pp2_zero3")),
     "test_generate.py::test_sampling_is_a_function_of_the_seed[one_device]",
     "test_deepseek.py::test_generation_caches_the_latent_and_equals_transformers_greedy[tensor4]",
-    "test_api.py::test_data_parallel_losses_equal_one_device",
-    *(f"test_documents.py[{k}]" for k in (
-        "pp2_1f1b_ring2_dp2", "pp2_zb_h1_gather2_dp2", "dp2_tp2_ring2_micro2", "dp2_ring4",
-        "dp4_tp2_micro2", "dp2_tp4_sp", "pp2_gpipe_dp2_tp2")),
 )
 TIERS = {"fast": FAST, "slow": SLOW}
 
@@ -253,10 +257,14 @@ def _keep_group(item) -> bool:
     alone."""
     names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
              for m in item.iter_markers("xdist_group")}
-    if not names or "@" in item.nodeid.rpartition("]")[2].rpartition("::")[2]:
+
+    def grouped() -> bool:  # the suffix, after the parametrization (an id may hold "@")
+        return "@" in item.nodeid.rpartition("]")[2].rpartition("::")[2]
+
+    if not names or grouped():
         return True
     if hasattr(item, "_id"):
         from _pytest.nodeid import NodeId  # pytest has no public way to set an item's id
 
         item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
-    return "@" in item.nodeid.rpartition("]")[2].rpartition("::")[2]
+    return grouped()
