@@ -4,9 +4,10 @@ keeps under a remat policy, and its projections' inputs and outputs.
 `of(plan)` traces one layer (`Transformer.layer`, the code the step runs) at one device's share
 of it -- its heads, kv heads and MLP columns under tensor parallelism, its tokens under the ring
 -- with the attention kernel the plan runs, on abstract shapes: no devices, nothing allocated.
-What `jax.vjp` hands over for the backward is the residuals; tracing one row and two rows and
-taking the difference leaves what grows with the tokens (the weights and the RoPE tables drop
-out). The kernels as traced:
+What `jax.vjp` hands over for the backward is the residuals; traced at a symbolic row count,
+their sizes are polynomials in it, and the difference between one row and two leaves what grows
+with the tokens (the weights and the RoPE tables drop out). A layer whose code needs the count
+itself (the MoE layer's capacity) is traced at one row and at two. The kernels as traced:
 
 * blocked: `causal_attention` itself;
 * ring, gather: their per-device code (`ring.py`) under a named axis of the `seq` degree;
@@ -69,8 +70,8 @@ class Residual:
 
 
 class _PerPolicy(dict):
-    """remat policy -> tuple of Residual, each traced when first asked for: an estimate asks
-    two or three of the five, a search all of them."""
+    """remat policy -> its value (its residuals, traces, ...), each made when first asked for:
+    an estimate asks two or three of the five, a search all of them."""
 
     def __init__(self, trace):
         super().__init__()
@@ -171,13 +172,27 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
     def x(rows):
         return jax.ShapeDtypeStruct((rows * ep, tokens, m.d_model), jnp.dtype(m.dtype))
 
+    def vjp(policy):
+        layer = model.layer(policy, ops)
+        return lambda p, x: jax.vjp(lambda p, x: layer(p, x, rope), p, x)[1]
+
+    def run(p, x):
+        tapped = ops.tap()
+        nnx.merge(nnx.graphdef(model.blocks), p)(x, rope, tapped)
+        return tapped.inputs, tapped.outputs
+
+    def traced(fn):  # `_at_rows` of fn on the layer's weights and `rows` rows of x
+        def trace(rows):
+            with _as_the_step(ep):
+                return jax.make_jaxpr(fn, axis_env=env, return_shape=True)(params, x(rows))
+        return _at_rows(trace)
+
+    vjps = _PerPolicy(lambda policy: traced(vjp(policy)))
+
     @functools.cache
     def residuals(policy, rows):
-        layer = model.layer(policy, ops)
-        with _as_the_step(ep):
-            closed = jax.make_jaxpr(lambda p, x: jax.vjp(lambda p, x: layer(p, x, rope), p,
-                                                         x)[1], axis_env=env)(params, x(rows))
-        return _describe(closed.jaxpr)
+        jaxpr, _, at = vjps[policy](rows)
+        return _describe(jaxpr.jaxpr, at)
 
     def per_token(policy):
         one, two = residuals(policy, 1), residuals(policy, 2)
@@ -189,22 +204,37 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
         return sum(a.nbytes for a, b in zip(one, two) if a.made and not a.host
                    and b.nbytes == a.nbytes and (a.experts or not experts)) / ep
 
-    def taps(rows):
-        tapped = ops.tap()
+    taps = traced(run)
 
-        def run(p, x):
-            nnx.merge(nnx.graphdef(model.blocks), p)(x, rope, tapped)
-            return tapped.inputs, tapped.outputs
+    def size(rows):
+        _, (ins, outs), at = taps(rows)
+        return tuple(sum(at(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+                     for tree in (ins, outs))
 
-        with _as_the_step(ep):
-            ins, outs = jax.make_jaxpr(run, axis_env=env, return_shape=True)(params, x(rows))[1]
-        size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
-        return size(ins), size(outs)
-
-    (i1, o1), (i2, o2) = taps(1), taps(2)
+    (i1, o1), (i2, o2) = size(1), size(2)
     per = tokens * ep
     return LayerBytes(_PerPolicy(per_token), (i2 - i1) / per, (o2 - o1) / per,
                       _PerPolicy(fixed), _PerPolicy(lambda p: fixed(p, experts=True)))
+
+
+def _at_rows(trace):
+    """rows -> (jaxpr, output shapes, size -> its value at that many rows) from `trace(rows)`:
+    one trace at a symbolic row count (its sizes polynomials in it), where two traces at one
+    and two rows took a quarter longer (`plan --search` on 8 devices: 35 s to 28 s), or, where
+    the layer's code needs the count itself (the MoE layer's capacity), one trace per count
+    asked for. A symbolic trace also hands over a few int32 scalars (indices) that a concrete
+    one folds into constants: bytes, not megabytes."""
+    import jax
+
+    try:
+        rows, = jax.export.symbolic_shape("rows")
+        jaxpr, shapes = trace(rows)
+    except (TypeError, NotImplementedError, jax.errors.InconclusiveDimensionOperation,
+            jax.errors.ConcretizationTypeError):
+        return functools.cache(lambda n: (*trace(n), lambda size: size))
+    # the value of a polynomial in the row count at `n` rows (jax's shape polynomials)
+    return lambda n: (jaxpr, shapes, lambda size: size if isinstance(size, int)
+                      else size._evaluate({"rows": n}))
 
 
 def _stream_scopes() -> frozenset:
@@ -220,8 +250,9 @@ def _stream_scopes() -> frozenset:
     return frozenset({"norm", *rows})
 
 
-def _describe(jaxpr) -> list[Residual]:
-    """The residuals a vjp's closure holds (the traced function's outputs), in order."""
+def _describe(jaxpr, at) -> list[Residual]:
+    """The residuals a vjp's closure holds (the traced function's outputs), in order; `at`:
+    a traced size's value (`_at_rows`)."""
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     stream_scopes = _stream_scopes()
     out = []
@@ -233,7 +264,7 @@ def _describe(jaxpr) -> list[Residual]:
         select = eqn is not None and (eqn.primitive.name == "select_n" or str(
             eqn.params.get("name", "")) == "_where")
         within = lambda name: any(c.endswith((name, f"({name})")) for c in scopes)  # noqa: E731
-        out.append(Residual(float(aval.size * aval.dtype.itemsize),
+        out.append(Residual(float(at(aval.size) * aval.dtype.itemsize),
                             stream=eqn is None or bool(scopes & stream_scopes), select=select,
                             mlp=within("mlp"),
                             host=str(getattr(aval, "memory_space", "")).endswith("Host"),
