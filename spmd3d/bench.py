@@ -59,6 +59,21 @@ COMMAND = cli.Command(
 )
 
 
+def bubble_plan(cfg: Config):
+    """The plan of `cfg` if `--bubble` can measure its schedule, else its ConfigError: asked
+    before the benchmark runs, so that a bad flag costs no compile."""
+    from .plan import Plan
+
+    plan = Plan.resolve(cfg)
+    if plan.schedule is None:
+        raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
+    if plan.schedule.mode == "switch":  # measured: a 3-way switch of 0, 1, 2 matmuls counts 2
+        raise ConfigError("parallel.pipeline_schedule", "--bubble reads XLA's cost analysis, "
+                          "which counts a conditional as its costliest branch: zb_h1's "
+                          "per-device switch has no FLOP figure to compare")
+    return plan
+
+
 def measure_bubble(cfg: Config) -> dict:
     """Measured vs theoretical FLOP overhead of the pipeline schedule of `cfg`.
 
@@ -71,17 +86,10 @@ def measure_bubble(cfg: Config) -> dict:
 
     from . import hlo
     from .manual import unrolled_loops
-    from .plan import Plan
     from .runtime import setup
 
-    plan = Plan.resolve(cfg)
+    plan = bubble_plan(cfg)
     cfg, schedule = plan.cfg, plan.schedule
-    if schedule is None:
-        raise ConfigError("mesh.stage", "--bubble needs a pipeline (mesh.stage > 1)")
-    if schedule.mode == "switch":  # measured: a 3-way switch of 0, 1, 2 matmuls counts 2
-        raise ConfigError("parallel.pipeline_schedule", "--bubble reads XLA's cost analysis, "
-                          "which counts a conditional as its costliest branch: zb_h1's "
-                          "per-device switch has no FLOP figure to compare")
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
 
     def flops(c):
@@ -303,6 +311,8 @@ def _run(args: cli.Args) -> int:
     for line in gpu.apply(cfg):  # XLA_FLAGS and the optimization level, before jax starts
         logging.getLogger("spmd3d").info(line)
     name = Path(args.config).stem if args.config else "default"
+    if args.flags.get("--bubble"):
+        bubble_plan(cfg)  # its mistakes before the benchmark's compile
     record = run_bench(cfg, steps=args.flags.get("--steps", 10), warmup=args.flags.get("--warmup", 2),
                        name=name, profile_dir=args.flags.get("--profile"))
     if args.flags.get("--bubble"):

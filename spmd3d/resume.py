@@ -47,6 +47,21 @@ def restore_or_init(job, ckpt, log=print):
     return job.reorder(state, to_canonical=False), int(meta["step"]), meta
 
 
+def check_newest(job, ckpt) -> None:
+    """`check_compatible` on the newest step's metadata alone, before the step is compiled: a
+    checkpoint of another model or key schema then costs no compile (at full size, minutes).
+    A newest step whose metadata cannot be read is left to `restore_or_init`."""
+    steps = _same_on_all_processes(ckpt.all_steps())
+    if not steps:
+        return
+    try:
+        meta = ckpt.read_meta(steps[-1])
+    except Damaged:
+        return
+    check_compatible(ckpt, steps[-1], meta, config_lib.to_dict(job.cfg)["model"],
+                     store.flat(store.abstract_like(*job.canonical)))
+
+
 def check_compatible(ckpt, step: int, meta: dict, model: dict, target: dict) -> None:
     """Raises ``CheckpointError`` naming the first field in which the checkpoint and the run's
     model disagree (layer count, width, vocab, ...), then any array whose shape differs."""

@@ -34,7 +34,7 @@ class Job:
     @cached_property
     def evals(self):
         """The held-out windows (`data.eval_batches`), built and checked on first use: the
-        train loop asks right after the memory check, before the first step."""
+        train loop asks before it compiles the step."""
         from .data.loader import eval_batches
 
         if self.held is None:

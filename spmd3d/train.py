@@ -111,13 +111,17 @@ def _loop(job, ckpt, preemption, run_dir: Path, lead: bool) -> list[dict]:
     import jax
 
     from . import memory
-    from .resume import checkpoint_meta, restore_or_init
+    from .resume import check_newest, checkpoint_meta, restore_or_init
     from .runtime import step_record
 
     cfg, t0 = job.cfg, time.perf_counter()
-    compiled, compile_s = job.compile()  # refuses a step that cannot fit, before allocating
+    # what a mistake in the input costs: no compile for a checkpoint of another model or too
+    # little held-out data (not found at the first eval), no allocation for a step that
+    # cannot fit (the compile refuses it)
+    check_newest(job, ckpt)
     if cfg.run.eval_every:
-        job.evals  # noqa: B018 -- too little held-out data fails now, not at the first eval
+        job.evals  # noqa: B018
+    compiled, compile_s = job.compile()
     saved = ckpt.latest_step() is not None
     hosts = dist.host_names()
     state, start, meta = restore_or_init(job, ckpt,
