@@ -60,8 +60,9 @@ def test_a_packed_window_trains_each_document_as_if_alone():
     docs.append(rng.integers(4, 256, cfg.train.seq_len + 1 - sum(lengths)))
     window = np.concatenate(docs)[None].astype(np.int32)
 
-    def summed(plan, tokens):
-        return jax.value_and_grad(lambda p: loss_sum(plan, job.graphdef, p, tokens)[0])(params)
+    def summed(plan, tokens):  # jitted: op by op, each shape's every op compiled alone
+        return jax.jit(jax.value_and_grad(lambda p, t: loss_sum(plan, job.graphdef, p, t)[0]))(
+            params, tokens)
 
     packed_loss, packed = summed(plan, jnp.asarray(window))
     alone = [summed(job.plan, jnp.asarray(d[None].astype(np.int32))) for d in docs]

@@ -34,12 +34,16 @@ pytestmark = pytest.mark.xdist_group("zero")
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Per ZeRO stage: (job, train-step memory, gradient-function memory)."""
+    """Per ZeRO stage: (job, train-step memory, gradient-function memory: ZeRO-1's and -2's,
+    which ZeRO-2's test compares; None for the others)."""
     out = {}
     for z in range(4):
         cfg = small_config(data=DATA, zero=z)
         job = runtime.setup(cfg, devices_for(cfg))
         step, _ = job.compile()
+        if z not in (1, 2):
+            out[z] = (job, hlo.memory(step), None)
+            continue
         grad_sh = shardings_for(job.abstract.params, job.plan.rules.grads, job.mesh)
         grad_fn = jax.jit(make_grad_fn(job.plan, job.graphdef),
                           out_shardings=(NamedSharding(job.mesh, P()), grad_sh))
