@@ -80,19 +80,19 @@ def shard_size(shape, names, rules, mesh: dict) -> int:
 
 def state_bytes(plan) -> dict:
     """Per-device bytes of parameters, optimizer state and fp32 gradients: exactly what
-    `footprint.state_terms` reads from the shardings, without them."""
-    mesh, rules = dict(plan.mesh.shape), plan.rules
-    shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
-    skip = untrained(plan.cfg.model, len(plan.layer_order))
-    pbytes = itemsize(plan.cfg.model.param_dtype)
+    `footprint.state_terms` reads from the shardings, without them (kept: a search asks again)."""
+    return dict(_state_bytes(plan.cfg.model, len(plan.layer_order), plan.rules,
+                             tuple(plan.mesh.shape.items()), plan.cfg.optim.moment_dtype))
 
-    def total(table, size, trained=False):
-        return sum(shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
-                   if not (trained and k in skip)) * size
 
-    moments = plan.cfg.optim.moment_dtype
-    return {"parameters": total(rules.params, pbytes),
-            # two moments and a count, for the trained parameters
+@lru_cache(maxsize=1024)
+def _state_bytes(model, layers: int, rules, mesh_items: tuple, moments: str) -> dict:
+    mesh, shapes, skip = dict(mesh_items), param_shapes(model, layers), untrained(model, layers)
+    total = lambda table, size, trained=False: size * sum(  # noqa: E731
+        shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
+        if not (trained and k in skip))
+    pbytes = itemsize(model.param_dtype)
+    return {"parameters": total(rules.params, pbytes),  # two moments and a count, trained only
             "optimizer_state": 2 * total(rules.opt, pbytes if moments == "auto" else
                                          itemsize(moments), trained=True) + 4,
             "gradients": total(rules.grads, F32)}

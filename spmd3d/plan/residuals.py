@@ -219,22 +219,34 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
 def _at_rows(trace):
     """rows -> (jaxpr, output shapes, size -> its value at that many rows) from `trace(rows)`:
-    one trace at a symbolic row count (its sizes polynomials in it), where two traces at one
+    one trace at a symbolic row count (each size a polynomial in it), where two traces at one
     and two rows took a quarter longer (`plan --search` on 8 devices: 35 s to 28 s), or, where
-    the layer's code needs the count itself (the MoE layer's capacity), one trace per count
-    asked for. A symbolic trace also hands over a few int32 scalars (indices) that a concrete
-    one folds into constants: bytes, not megabytes."""
+    the layer's code needs the count itself (the MoE layer's capacity) or a size is not linear
+    in it, one trace per count asked for. A symbolic trace also hands over a few int32 scalars
+    (indices) that a concrete one folds into constants: bytes, not megabytes."""
     import jax
 
     try:
         rows, = jax.export.symbolic_shape("rows")
         jaxpr, shapes = trace(rows)
-    except (TypeError, NotImplementedError, jax.errors.InconclusiveDimensionOperation,
-            jax.errors.ConcretizationTypeError):
+        sizes = [v.aval.size for v in jaxpr.jaxpr.outvars]
+        linear = {str(n): _linear(str(n)) for n in sizes + [a.size for a in
+                                                            jax.tree.leaves(shapes)]}
+    except (TypeError, ValueError, NotImplementedError,
+            jax.errors.InconclusiveDimensionOperation, jax.errors.ConcretizationTypeError):
         return functools.cache(lambda n: (*trace(n), lambda size: size))
-    # the value of a polynomial in the row count at `n` rows (jax's shape polynomials)
-    return lambda n: (jaxpr, shapes, lambda size: size if isinstance(size, int)
-                      else size._evaluate({"rows": n}))
+    return lambda n: (jaxpr, shapes, lambda size: (lambda a, b: a * n + b)(*linear[str(size)]))
+
+
+def _linear(size: str) -> tuple[int, int]:
+    """(a, b) of a size `a*rows + b` as jax prints it (exact Python ints: jax's own evaluation
+    of a polynomial takes its coefficients as int32); ValueError for anything else."""
+    import re
+
+    if not re.fullmatch(r"[0-9*+\- ]+", size.replace("rows", "1")):  # floordiv, rows^2, ...
+        raise ValueError(size)
+    at = lambda n: eval(size, {"__builtins__": {}}, {"rows": n})  # noqa: E731, S307
+    return at(1) - at(0), at(0)
 
 
 def _stream_scopes() -> frozenset:
