@@ -162,7 +162,9 @@ def test_checkpoint_timings():
     (["model.num_layers=2", "mesh.stage=2", "train.microbatches=2",
       "parallel.pipeline_schedule=zb_h1", "--bubble"], "parallel.pipeline_schedule"),
 ])
-def test_main_bad_input_exits_2(capsys, args, field):
+def test_main_bad_input_exits_2(capsys, args, field, monkeypatch):
+    """Refused before the benchmark compiles anything."""
+    monkeypatch.setattr("spmd3d.bench.run_bench", lambda *a, **k: pytest.fail("benchmarked"))
     assert main(TINY + args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {field}:") and len(err.splitlines()) == 1

@@ -200,20 +200,23 @@ def exit_line(argv, capsys):
     return err[0]
 
 
-def test_wrong_model_and_damaged_step_exit_2_and_touch_nothing(tmp_path, capsys):
+def test_wrong_model_and_damaged_step_exit_2_and_touch_nothing(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     argv = SMALL + ["mesh.data=8", "mesh.tensor=1", f"run.dir={run}", "checkpoint.every=2", "optim.decay_steps=12"]
     first = {r["step"]: r["loss"] for r in train(config.load(None, argv + ["train.steps=4"]))}
     ckpt_dir = run / "checkpoints"
     good = tree_digest(ckpt_dir)
 
-    for override, field in [("model.num_layers=4", "model.num_layers"),
-                            ("model.vocab_size=512", "model.vocab_size"),
-                            ("model.d_model=64", "model.d_model")]:
-        line = exit_line(argv + ["train.steps=6", override], capsys)
-        assert line.startswith(f"error: {field}: checkpoint step 4 in "), line
-        assert "was written with" in line
-        assert tree_digest(ckpt_dir) == good
+    # another model is refused from the checkpoint's metadata, before the step is compiled
+    with monkeypatch.context() as patched:
+        patched.setattr(spmd3d.runtime.Job, "compile", lambda job: pytest.fail("compiled"))
+        for override, field in [("model.num_layers=4", "model.num_layers"),
+                                ("model.vocab_size=512", "model.vocab_size"),
+                                ("model.d_model=64", "model.d_model")]:
+            line = exit_line(argv + ["train.steps=6", override], capsys)
+            assert line.startswith(f"error: {field}: checkpoint step 4 in "), line
+            assert "was written with" in line
+            assert tree_digest(ckpt_dir) == good
 
     # damage step 4: one flipped byte (read fine, caught by the fingerprint), then a cut file
     blobs = sorted((ckpt_dir / "4" / "state").rglob("d/*"), key=lambda f: -f.stat().st_size)
