@@ -20,6 +20,15 @@ H200 (docs/moe.md) the forward and input gradient ran at 443 TFLOP/s (mosaic), 3
 and 97 (XLA), the weights' gradient at 523 (ours) and 81 (XLA): XLA lowers `ragged_dot` on a
 GPU to a zero-padded dense matmul, whose padded copy also costs memory.
 
+All of them run behind one `custom_vjp` (`_grouped`), whose backward keeps the weights as
+given, so that no copy of the experts' weights waits for it (what autodiff keeps of a value the
+layer made, no remat policy sees): weights with a pair axis, `w[G, D, C, F]` (the experts' gate
+and up halves), give `y[M, C, F]`, one matmul per pair, where slicing each half outside made
+one copy per stashed pipeline pass (806 MB a layer at 128 experts of 2048 x 768); and
+`prepare` (in the MoE layer's shard_map: cast to varying over the tokens' axes) runs inside,
+again in the backward, where a prepared value kept was handed out by the shard_map and stacked
+by the scan of layers, a copy of all the layers' expert weights.
+
 `plan --compile` compiles a GPU plan on CPU devices, which cannot lower the GPU kernels. There a
 stand-in takes their place (`standing_in`): every row times one group's weights, which has the
 kernel's buffers and FLOPs (forward [M, F]; backward dx [M, D] and dw [G, D, F]) but not its
@@ -99,18 +108,19 @@ def choose_weight_grad(requested: str, *, platform: str) -> str:
     return "pallas" if platform == "gpu" else "xla"
 
 
-def matmul(kernel: str, weight_grad: str = "xla"):
+def matmul(kernel: str, weight_grad: str = "xla", prepare=None):
     """The grouped matmul `(x[M, D], w[G, D, F], sizes[G]) -> [M, F]` of `kernel`, its weights'
-    gradient by `weight_grad` (`xla` or `pallas`)."""
+    gradient by `weight_grad` (`xla` or `pallas`). `prepare` (hashable) makes the weights as
+    the matmul uses them (in a shard_map: cast to varying over the tokens' axes), in the
+    forward and again in the backward, so that the backward keeps `w` as given: a prepared
+    copy kept would be a new value, which a shard_map in a scan of layers stacks."""
     if kernel not in ("ragged", "tokamax", "mosaic"):
         raise ValueError(f"no grouped matmul for kernel {kernel!r}")
     if weight_grad not in ("xla", "pallas"):
         raise ValueError(f"no weight gradient {weight_grad!r}")
     if _STANDIN.get() and (kernel != "ragged" or weight_grad == "pallas"):
-        return _shaped
-    if kernel == "ragged" and weight_grad == "xla":
-        return jax.lax.ragged_dot
-    return functools.partial(_grouped, kernel, weight_grad)
+        kernel = None  # the stand-in
+    return functools.partial(_grouped, kernel, weight_grad, prepare or _as_given)
 
 
 # the backward's dots: [M, F] x [G, D, F] -> [M, D] over the groups of the rows (the input's
@@ -124,12 +134,18 @@ def _in_groups(v_m, sizes_g):
     return jnp.where(jnp.arange(v_m.shape[0])[:, None] < jnp.sum(sizes_g), v_m, 0)
 
 
+def _as_given(w):
+    return w
+
+
 def _forward(kernel, x_md, w_gdf, sizes_g):
     """`kernel`'s grouped matmul, held to ragged_dot's contract. tokamax's kernels, as
     measured on an H200 (jax 0.11.2, tokamax 0.0.17; docs/moe.md): its rows past the groups
     are undefined, forward and in the input's gradient (up to 211 where ragged_dot gives 0,
     NaN in the gradient), so they are zeroed here: under expert parallelism they are the
     other devices' assignments, and a NaN would survive their zero weight."""
+    if kernel is None:
+        return _dot(x_md, w_gdf[0], x_md.dtype)
     if kernel == "ragged":
         return jax.lax.ragged_dot(x_md, w_gdf, sizes_g)
     if kernel == "mosaic":
@@ -140,6 +156,8 @@ def _forward(kernel, x_md, w_gdf, sizes_g):
 
 
 def _input_grad(kernel, g_mf, w_gdf, sizes_g):
+    if kernel is None:
+        return _dot(g_mf, w_gdf[0].T, g_mf.dtype)
     if kernel == "ragged":
         return jax.lax.ragged_dot_general(g_mf, w_gdf, sizes_g, _DX)
     if kernel == "mosaic":
@@ -164,10 +182,13 @@ def _mosaic(a_mk, w_g, sizes_g, transpose):
     return _in_groups(y, sizes_g)
 
 
-def _weight_grad(weight_grad, x_md, g_mf, sizes_g, dtype):
+def _weight_grad(kernel, weight_grad, x_md, g_mf, sizes_g, w_gdf):
     """tokamax's Hopper kernel for this dot (`ragged_contracting_dim_dot_sm90`) was 10-18 %
     off an fp32 reference in every group, so it is never asked: XLA's (0.35 %, bf16, about
     50 TFLOP/s) or ours (`tgmm.py`)."""
+    dtype = w_gdf.dtype
+    if kernel is None:
+        return jnp.zeros_like(w_gdf).at[0].set(_dot(x_md.T, g_mf, dtype))
     if weight_grad == "xla":
         return jax.lax.ragged_dot_general(x_md, g_mf, sizes_g, _DW,
                                           preferred_element_type=dtype)
@@ -176,20 +197,36 @@ def _weight_grad(weight_grad, x_md, g_mf, sizes_g, dtype):
     return tgmm.weight_gradient(x_md, g_mf, sizes_g, dtype=dtype, interpret=tgmm.INTERPRET)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grouped(kernel, weight_grad, x_md, w_gdf, sizes_g):
-    return _forward(kernel, x_md, w_gdf, sizes_g)
+def _pairs(w):
+    """w[G, D, F] as one pair, w[G, D, C, F] as C: the [G, D, F] weights of each."""
+    return [w] if w.ndim == 3 else [w[:, :, c] for c in range(w.shape[2])]
 
 
-def _grouped_fwd(kernel, weight_grad, x_md, w_gdf, sizes_g):
-    return _forward(kernel, x_md, w_gdf, sizes_g), (x_md, w_gdf, sizes_g)
+def _per_pair(w, ys, axis):
+    """The pairs' results (outputs at `axis` 1, weight gradients at 2) in w's shape."""
+    return ys[0] if w.ndim == 3 else jnp.stack(ys, axis)
 
 
-def _grouped_bwd(kernel, weight_grad, residuals, g_mf):
-    x_md, w_gdf, sizes_g = residuals
-    dx = _input_grad(kernel, g_mf, w_gdf, sizes_g)
-    dw = _weight_grad(weight_grad, x_md, g_mf, sizes_g, w_gdf.dtype)
-    return dx.astype(x_md.dtype), dw, None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped(kernel, weight_grad, prepare, x_md, w_gdf, sizes_g):
+    """kernel None: the stand-in, a grouped matmul's shapes and FLOPs, not its arithmetic
+    (compile only): every row times one group's weights."""
+    w_gdf = prepare(w_gdf)
+    return _per_pair(w_gdf, [_forward(kernel, x_md, w, sizes_g) for w in _pairs(w_gdf)], 1)
+
+
+def _grouped_fwd(kernel, weight_grad, prepare, x_md, w_gdf, sizes_g):
+    return _grouped(kernel, weight_grad, prepare, x_md, w_gdf, sizes_g), (x_md, w_gdf, sizes_g)
+
+
+def _grouped_bwd(kernel, weight_grad, prepare, residuals, g_mf):
+    x_md, w_given, sizes_g = residuals
+    w_gdf, prepared = jax.vjp(prepare, w_given)
+    gs = [g_mf] if w_gdf.ndim == 3 else [g_mf[:, c] for c in range(w_gdf.shape[2])]
+    dx = sum(_input_grad(kernel, g, w, sizes_g) for g, w in zip(gs, _pairs(w_gdf)))
+    dw = [_weight_grad(kernel, weight_grad, x_md, g, sizes_g, w)
+          for g, w in zip(gs, _pairs(w_gdf))]
+    return dx.astype(x_md.dtype), prepared(_per_pair(w_gdf, dw, 2))[0], None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -202,23 +239,3 @@ def _dot(a, b, dtype):
     ints = {2: jnp.int16, 4: jnp.int32}[jnp.dtype(dtype).itemsize]
     a, b = (jax.lax.bitcast_convert_type(v.astype(dtype), ints) for v in (a, b))
     return jax.lax.bitcast_convert_type(jnp.dot(a, b, preferred_element_type=ints), dtype)
-
-
-@jax.custom_vjp
-def _shaped(x_md, w_gdf, sizes_g):
-    """The stand-in: a grouped matmul's shapes and FLOPs, not its arithmetic (compile only)."""
-    del sizes_g
-    return _dot(x_md, w_gdf[0], x_md.dtype)
-
-
-def _shaped_fwd(x_md, w_gdf, sizes_g):
-    return _shaped(x_md, w_gdf, sizes_g), (x_md, w_gdf)
-
-
-def _shaped_bwd(residuals, g_mf):
-    x_md, w_gdf = residuals
-    dw = jnp.zeros_like(w_gdf).at[0].set(_dot(x_md.T, g_mf, w_gdf.dtype))
-    return _dot(g_mf, w_gdf[0].T, x_md.dtype), dw, None
-
-
-_shaped.defvjp(_shaped_fwd, _shaped_bwd)

@@ -10,6 +10,7 @@ gate_up[E, D, 2, F] and down[E, F, D] (E_local of them on a device).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -24,13 +25,14 @@ from .router import Routing, balanced, choose, weigh
 
 
 def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int = 0,
-                kernel: str = "ragged", weight_grad: str = "xla"):
+                kernel: str = "ragged", weight_grad: str = "xla", prepare=None):
     """y[N, D]: each token through its chosen experts among the local ones (global ids
     first .. first + E_local - 1), weighted; others contribute zero. Dropless: the N k
-    assignments sorted by expert, grouped matmuls (`grouped.matmul(kernel, weight_grad)`) over
-    the groups, then put back in token order and summed over each token's k."""
+    assignments sorted by expert, grouped matmuls (`grouped.matmul(kernel, weight_grad,
+    prepare)`: `prepare` makes the weights as used) over the groups, then put back in token
+    order and summed over each token's k."""
     ragged_dot = grouped.matmul("ragged" if kernel == "auto" else kernel,
-                                "xla" if weight_grad == "auto" else weight_grad)
+                                "xla" if weight_grad == "auto" else weight_grad, prepare)
     n, k = experts_nk.shape
     e_local, d = gate_up_edcf.shape[0], x_nd.shape[-1]
     local = experts_nk.reshape(-1) - first
@@ -42,8 +44,10 @@ def grouped_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, experts_nk, first: int
     order = jnp.argsort(key, stable=True)[:n * min(k, e_local)]
     sizes = jnp.zeros((e_local + 1,), jnp.int32).at[key].add(1)[:e_local]
     rows = x_nd[order // k]  # [R, D], grouped by expert
-    # gate and up apart: merging [2, F] into one dim would move F's shards (over `tensor`)
-    gate, up = (ragged_dot(rows, gate_up_edcf[:, :, c], sizes) for c in (0, 1))
+    # gate and up as the weights' pair axis (`grouped`): merging [2, F] into one dim would move
+    # F's shards (over `tensor`), and slicing it here would keep a copy of each for the backward
+    gate_up = ragged_dot(rows, gate_up_edcf, sizes)  # [R, 2, F]
+    gate, up = gate_up[:, 0], gate_up[:, 1]
     y = ragged_dot(jax.nn.silu(gate) * up, down_efd, sizes)  # [R, D]; 0 past the groups
     w = jnp.where(mine, weights_nk.reshape(-1), 0.0)[order].astype(y.dtype)
     return jnp.zeros((n, d), y.dtype).at[order // k].add(y * w[:, None])
@@ -161,16 +165,18 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *,
             # (and the weights', in fp32: they meet the experts' outputs, which vary over
             # `tensor`, cast to the compute dtype)
             x, weights = vary(x, t_axis), vary(weights, t_axis)
-        gate_up, down = vary(gate_up, tokens), vary(down, tokens)
+        # the weights varying over the tokens' axes: the grouped matmul makes them so itself,
+        # forward and backward, and keeps them as given (`grouped.matmul`'s `prepare`)
+        varied = functools.partial(vary, axes=tokens)
         if exchange:
-            y = exchanged_ffn(x, gate_up, down, weights, slot, cap, e_axis,
+            y = exchanged_ffn(x, varied(gate_up), varied(down), weights, slot, cap, e_axis,
                               bias.shape[0] // e_local)
         else:
             if e_axis is not None:
                 x, weights = all_gather(x, e_axis), all_gather(weights, e_axis)
-            y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel, weight_grad)
+            y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel, weight_grad, varied)
                  if slot is None else
-                 capacity_ffn(x, gate_up, down, weights, slot, cap))
+                 capacity_ffn(x, varied(gate_up), varied(down), weights, slot, cap))
             if e_axis is not None:
                 y = psum_scatter(y, e_axis)
         if t_axis is not None:

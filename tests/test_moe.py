@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import small_config
 from spmd3d import config, footprint, grouped, moe
 from spmd3d import router as routing_lib
 from spmd3d.plan import Plan
@@ -295,7 +296,7 @@ def test_the_compile_stand_in_has_the_kernels_shapes():
     w = jax.ShapeDtypeStruct((E, D, 24), jnp.float16)
     sizes = jax.ShapeDtypeStruct((E,), jnp.int32)
 
-    def shapes(fn):
+    def shapes(fn, w=w):
         def both(x, w, sizes):
             y, back = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
             return y, back(y)
@@ -306,6 +307,58 @@ def test_the_compile_stand_in_has_the_kernels_shapes():
                                     ("ragged", "pallas")):
             assert grouped.matmul(kernel, weight_grad) is not jax.lax.ragged_dot
             assert shapes(grouped.matmul(kernel, weight_grad)) == shapes(jax.lax.ragged_dot)
+            # and with the gate and up halves as a pair axis (`moe.grouped_ffn`'s)
+            pair = jax.ShapeDtypeStruct((E, D, 2, 24), jnp.float16)
+            assert shapes(grouped.matmul(kernel, weight_grad), pair) == shapes(
+                lambda x, w, s: jnp.stack([jax.lax.ragged_dot(x, w[:, :, c], s) for c in (0, 1)],
+                                          1), pair)
+
+
+def test_the_experts_backward_keeps_their_weights_not_a_copy():
+    """The layer hands its backward the experts' weights as given: the grouped matmul takes the
+    gate and up halves as one weight with a pair axis. Sliced in the layer, each half was a new
+    value that autodiff kept, a copy of the experts' gate and up weights in every stashed 1F1B
+    pass and every scanned layer. Read from the layer's traced vjp (`residuals.of`): what it
+    hands over that it made and that does not grow with the tokens."""
+    from spmd3d.plan import residuals
+
+    plan = Plan.resolve(small_config(data=8, extra=["mesh.expert=2", "model.num_experts=8",
+                                                    "model.experts_per_token=2"]),
+                        topology="cpu")
+    m = plan.cfg.model
+    gate_up = m.num_experts // 2 * m.d_model * 2 * m.expert_width * jnp.dtype(m.dtype).itemsize
+    assert residuals.of(plan).fixed["none"] < gate_up / 10
+
+
+def test_the_scan_of_layers_keeps_no_copy_of_the_experts_weights():
+    """Without a pipeline, with nothing recomputed: the only arrays shaped like the experts'
+    weights that leave the step's scans of layers are their gradients. The MoE layer's
+    shard_map handed out the weights cast to varying over the tokens' axes, which the grouped
+    matmul kept for its backward, and the scan stacked them: a copy of every layer's expert
+    weights (4.8 GB of a step at Qwen3-30B's widths); the matmul now casts them itself."""
+    from helpers import job_for
+    from spmd3d.step import make_grad_fn
+
+    cfg = small_config(data=8, extra=["mesh.expert=2", "model.num_experts=8",
+                                      "model.experts_per_token=2", "model.d_ff_expert=96"])
+    job = job_for(cfg)
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
+    with jax.set_mesh(job.plan.mesh):
+        jaxpr = jax.make_jaxpr(make_grad_fn(job.plan, job.graphdef))(job.abstract.params, tokens)
+    d, f = cfg.model.d_model, cfg.model.expert_width
+
+    def scanned(jx):  # the outputs of every scan, at any depth
+        for e in jx.eqns:
+            if e.primitive.name == "scan":
+                yield from (v.aval.shape for v in e.outvars)
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else [p]):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from scanned(sub)
+
+    shaped = [s for s in scanned(jaxpr.jaxpr) if s[-3:] == (d, 2, f) or s[-2:] == (f, d)]
+    assert len(shaped) == 2, shaped  # the gate and up weights' gradient, the down weights'
 
 
 def _poisoning_tokamax(monkeypatch):

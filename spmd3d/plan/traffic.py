@@ -207,8 +207,8 @@ def _gradients(plan, add) -> None:
 
 def _gathers(plan, add) -> None:
     """Parameters gathered over data: ZeRO-1/2 once, after the update, as stored; ZeRO-3 the
-    layers before each use (forward, backward; a recompute reuses the backward's; the experts'
-    gather, in their shard_map, autodiff keeps for the backward unless it recomputes), cast to
+    layers before each use (forward, backward; a recompute reuses the backward's), the experts
+    too (their grouped matmul keeps them as given, `grouped.matmul`), cast to
     the compute dtype first (`sharding.use_param`), the embedding (as stored) and head once;
     with a pipeline the stage's layers as stored, once per step (or per tick)."""
     s, rules, par, m = plan.schedule, plan.rules, plan.cfg.parallel, plan.cfg.model
@@ -225,7 +225,7 @@ def _gathers(plan, add) -> None:
         dense = [k for k in blocks if k not in experts and k not in skip]
         add("layers gathered (ZeRO-3)", "gather", GROUP, size(dense, rules.compute) * g, uses)
         add("experts gathered (ZeRO-3)", "gather", (DATA,), size(experts, rules.compute) * g,
-            uses if s is not None or par.remat != "none" else uses // 2)
+            uses)
         add("embedding and head gathered (ZeRO-3)", "gather", GROUP,  # per MTP depth again
             size(["embed", "final_norm/scale"], rules.compute) * pb
             + size(["head"], rules.compute) * g, 1 + m.mtp_layers)
