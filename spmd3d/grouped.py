@@ -11,8 +11,9 @@ kernels (`Plan.experts`, stated in a run's first lines with the weights' gradien
   forward and the input's gradient: on a Hopper GPU in a 2-byte dtype (nothing to install).
 * `tokamax`: `tokamax.ragged_dot` (Triton kernels before Hopper) for the forward and the
   input's gradient: on other GPUs when tokamax is installed (`pip install spmd3d[gpu]`).
-* `capacity`: no grouped matmul; fixed [capacity, D] buffers per expert and batched matmuls
-  (`moe.capacity_ffn`). Whenever `model.capacity_factor` > 0.
+* `capacity`: fixed [capacity, D] buffers per expert (`moe.capacity_ffn`), the rows in equal
+  groups, so batched matmuls (the `batched` kernel here, sizes unused). Whenever
+  `model.capacity_factor` > 0.
 
 The weights' gradient (`model.expert_weight_grad`) is ours on a GPU (`tgmm.py`, Pallas-Triton),
 XLA's elsewhere; tokamax's own was measured wrong and is never asked (`_weight_grad`). On an
@@ -114,11 +115,11 @@ def matmul(kernel: str, weight_grad: str = "xla", prepare=None):
     the matmul uses them (in a shard_map: cast to varying over the tokens' axes), in the
     forward and again in the backward, so that the backward keeps `w` as given: a prepared
     copy kept would be a new value, which a shard_map in a scan of layers stacks."""
-    if kernel not in ("ragged", "tokamax", "mosaic"):
+    if kernel not in ("ragged", "tokamax", "mosaic", "batched"):
         raise ValueError(f"no grouped matmul for kernel {kernel!r}")
     if weight_grad not in ("xla", "pallas"):
         raise ValueError(f"no weight gradient {weight_grad!r}")
-    if _STANDIN.get() and (kernel != "ragged" or weight_grad == "pallas"):
+    if _STANDIN.get() and kernel != "batched" and (kernel != "ragged" or weight_grad == "pallas"):
         kernel = None  # the stand-in
     return functools.partial(_grouped, kernel, weight_grad, prepare or _as_given)
 
@@ -146,6 +147,8 @@ def _forward(kernel, x_md, w_gdf, sizes_g):
     other devices' assignments, and a NaN would survive their zero weight."""
     if kernel is None:
         return _dot(x_md, w_gdf[0], x_md.dtype)
+    if kernel == "batched":
+        return _batched("gcd,gdf->gcf", x_md, w_gdf)
     if kernel == "ragged":
         return jax.lax.ragged_dot(x_md, w_gdf, sizes_g)
     if kernel == "mosaic":
@@ -158,6 +161,8 @@ def _forward(kernel, x_md, w_gdf, sizes_g):
 def _input_grad(kernel, g_mf, w_gdf, sizes_g):
     if kernel is None:
         return _dot(g_mf, w_gdf[0].T, g_mf.dtype)
+    if kernel == "batched":
+        return _batched("gcf,gdf->gcd", g_mf, w_gdf)
     if kernel == "ragged":
         return jax.lax.ragged_dot_general(g_mf, w_gdf, sizes_g, _DX)
     if kernel == "mosaic":
@@ -170,6 +175,12 @@ def _input_grad(kernel, g_mf, w_gdf, sizes_g):
 # jax's Pallas Mosaic GPU grouped matmul (Hopper's wgmma), at the blocks measured on an H200
 MOSAIC_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
                      grid_block_n=1)
+
+
+def _batched(spec, a_mk, w_g):
+    """The `batched` kernel: the rows in G equal groups ([G, M / G] buffers) by einsum."""
+    g = w_g.shape[0]
+    return jnp.einsum(spec, a_mk.reshape(g, -1, a_mk.shape[-1]), w_g).reshape(a_mk.shape[0], -1)
 
 
 def _mosaic(a_mk, w_g, sizes_g, transpose):
@@ -189,6 +200,10 @@ def _weight_grad(kernel, weight_grad, x_md, g_mf, sizes_g, w_gdf):
     dtype = w_gdf.dtype
     if kernel is None:
         return jnp.zeros_like(w_gdf).at[0].set(_dot(x_md.T, g_mf, dtype))
+    if kernel == "batched":
+        g = w_gdf.shape[0]
+        return jnp.einsum("gcd,gcf->gdf", x_md.reshape(g, -1, x_md.shape[-1]),
+                          g_mf.reshape(g, -1, g_mf.shape[-1]), preferred_element_type=dtype)
     if weight_grad == "xla":
         return jax.lax.ragged_dot_general(x_md, g_mf, sizes_g, _DW,
                                           preferred_element_type=dtype)

@@ -73,7 +73,16 @@ def slots(experts_nk, first: int, e_local: int, cap: int):
     return slot, jnp.sum(mine & ~keep).astype(jnp.float32)
 
 
-def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
+def _batched_ffn(buffer_ecd, gate_up_edcf, down_efd, prepare):
+    """The experts' SwiGLU on their [E, C, D] buffers: batched matmuls (`grouped`'s `batched`
+    kernel, which keeps the weights as given for the backward)."""
+    e, c, d = buffer_ecd.shape
+    mm = grouped.matmul("batched", prepare=prepare)
+    gate_up = mm(buffer_ecd.reshape(e * c, d), gate_up_edcf, None)  # [E C, 2, F]
+    return mm(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], down_efd, None).reshape(e, c, d)
+
+
+def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int, prepare=None):
     """`grouped_ffn` with each local expert's assignments in a fixed [cap, D] buffer (`slots`):
     plain batched matmuls, the same shapes whatever the routing (what a GPU without grouped
     matmul kernels runs well); an assignment without a slot contributes zero."""
@@ -84,15 +93,14 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int):
     where = jnp.where(kept, flat, e_local * cap)  # the assignments without a slot: one more row
     rows = x_nd[jnp.arange(n * k) // k]  # each assignment's token
     buffer = jnp.zeros((e_local * cap + 1, d), x_nd.dtype).at[where].set(rows)
-    buffer = buffer[:-1].reshape(e_local, cap, d)
-    gate, up = (jnp.einsum("ecd,edf->ecf", buffer, gate_up_edcf[:, :, c]) for c in (0, 1))
-    out = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down_efd).reshape(-1, d)
+    out = _batched_ffn(buffer[:-1].reshape(e_local, cap, d), gate_up_edcf, down_efd,
+                       prepare).reshape(-1, d)
     y = jnp.where(kept[:, None], out[jnp.minimum(where, e_local * cap - 1)], 0)
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights_nk.astype(y.dtype))
 
 
 def exchanged_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int, axis: str,
-                  n: int):
+                  n: int, prepare=None):
     """`capacity_ffn` with the experts split over `axis` (n devices) and the tokens moved by
     two all-to-alls (GShard's dispatch): this device's assignments go into a [E, cap, D]
     buffer by their global expert (`slots` over all E, each expert taking at most `cap` of
@@ -110,8 +118,7 @@ def exchanged_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int, a
     got = jax.lax.all_to_all(send.reshape(n, e_local * cap, d), axis, 0, 0, tiled=True)
     # [source, local expert, cap, D] -> [local expert, source x cap, D]
     got = got.reshape(n, e_local, cap, d).swapaxes(0, 1).reshape(e_local, n * cap, d)
-    gate, up = (jnp.einsum("ecd,edf->ecf", got, gate_up_edcf[:, :, c]) for c in (0, 1))
-    out = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, down_efd)
+    out = _batched_ffn(got, gate_up_edcf, down_efd, prepare)
     out = out.reshape(e_local, n, cap, d).swapaxes(0, 1).reshape(n, e_local * cap, d)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(-1, d)  # [E x cap, D]
     y = jnp.where(kept[:, None], back[jnp.minimum(where, back.shape[0] - 1)], 0)
@@ -169,14 +176,14 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *,
         # forward and backward, and keeps them as given (`grouped.matmul`'s `prepare`)
         varied = functools.partial(vary, axes=tokens)
         if exchange:
-            y = exchanged_ffn(x, varied(gate_up), varied(down), weights, slot, cap, e_axis,
-                              bias.shape[0] // e_local)
+            y = exchanged_ffn(x, gate_up, down, weights, slot, cap, e_axis,
+                              bias.shape[0] // e_local, varied)
         else:
             if e_axis is not None:
                 x, weights = all_gather(x, e_axis), all_gather(weights, e_axis)
             y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel, weight_grad, varied)
                  if slot is None else
-                 capacity_ffn(x, varied(gate_up), varied(down), weights, slot, cap))
+                 capacity_ffn(x, gate_up, down, weights, slot, cap, varied))
             if e_axis is not None:
                 y = psum_scatter(y, e_axis)
         if t_axis is not None:

@@ -330,17 +330,21 @@ def test_the_experts_backward_keeps_their_weights_not_a_copy():
     assert residuals.of(plan).fixed["none"] < gate_up / 10
 
 
-def test_the_scan_of_layers_keeps_no_copy_of_the_experts_weights():
+@pytest.mark.parametrize("expert,capacity", [(2, 0), (2, 1.25), (1, 1.25)],
+                         ids=["dropless", "exchanged", "capacity"])
+def test_the_scan_of_layers_keeps_no_copy_of_the_experts_weights(expert, capacity):
     """Without a pipeline, with nothing recomputed: the only arrays shaped like the experts'
-    weights that leave the step's scans of layers are their gradients. The MoE layer's
-    shard_map handed out the weights cast to varying over the tokens' axes, which the grouped
-    matmul kept for its backward, and the scan stacked them: a copy of every layer's expert
-    weights (4.8 GB of a step at Qwen3-30B's widths); the matmul now casts them itself."""
+    weights that leave the step's scans of layers are their gradients, dropless or in
+    capacity buffers, the experts split or not. The MoE layer's shard_map handed out the
+    weights cast to varying over the tokens' axes, which the matmuls kept for their backward,
+    and the scan stacked them: a copy of every layer's expert weights (4.8 GB of a step at
+    Qwen3-30B's widths); the matmul now casts them itself (`grouped.matmul`'s `prepare`)."""
     from helpers import job_for
     from spmd3d.step import make_grad_fn
 
-    cfg = small_config(data=8, extra=["mesh.expert=2", "model.num_experts=8",
-                                      "model.experts_per_token=2", "model.d_ff_expert=96"])
+    cfg = small_config(data=8, extra=[f"mesh.expert={expert}", "model.num_experts=8",
+                                      "model.experts_per_token=2", "model.d_ff_expert=96",
+                                      f"model.capacity_factor={capacity}"])
     job = job_for(cfg)
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32)
     with jax.set_mesh(job.plan.mesh):
