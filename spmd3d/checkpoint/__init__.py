@@ -102,6 +102,11 @@ class Checkpointer:
             cleanup_tmp_directories=cleanup_tmp,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        # orbax removes those in a thread of its own, awaited only by its first save: a run
+        # refused before that (bad input: one line, exit 2) exited while the thread still
+        # listed the directory, and the interpreter's shutdown printed its traceback. Its
+        # private wait, where this orbax has it (0.12.8 does).
+        getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     # ------------------------------------------------------------------ steps
     def _in_flight(self) -> int | None:
