@@ -212,13 +212,18 @@ def _weight_grad(kernel, weight_grad, x_md, g_mf, sizes_g, w_gdf):
     return tgmm.weight_gradient(x_md, g_mf, sizes_g, dtype=dtype, interpret=tgmm.INTERPRET)
 
 
-def _pairs(w):
-    """w[G, D, F] as one pair, w[G, D, C, F] as C: the [G, D, F] weights of each."""
-    return [w] if w.ndim == 3 else [w[:, :, c] for c in range(w.shape[2])]
+def _pairs(w, v=None, axis=2):
+    """w[G, D, F] as one pair, w[G, D, C, F] as C: the [G, D, F] weights of each (`v` None),
+    or the slices of `v` at `axis` that go with them (an output's cotangent, [M, C, F]: 1)."""
+    v = w if v is None else v
+    if w.ndim == 3:
+        return [v]
+    return [jax.lax.index_in_dim(v, c, axis, keepdims=False) for c in range(w.shape[2])]
 
 
 def _per_pair(w, ys, axis):
-    """The pairs' results (outputs at `axis` 1, weight gradients at 2) in w's shape."""
+    """The pairs' results (outputs at `axis` 1, weight gradients at 2) in w's shape: the
+    inverse of `_pairs`."""
     return ys[0] if w.ndim == 3 else jnp.stack(ys, axis)
 
 
@@ -237,10 +242,9 @@ def _grouped_fwd(kernel, weight_grad, prepare, x_md, w_gdf, sizes_g):
 def _grouped_bwd(kernel, weight_grad, prepare, residuals, g_mf):
     x_md, w_given, sizes_g = residuals
     w_gdf, prepared = jax.vjp(prepare, w_given)
-    gs = [g_mf] if w_gdf.ndim == 3 else [g_mf[:, c] for c in range(w_gdf.shape[2])]
-    dx = sum(_input_grad(kernel, g, w, sizes_g) for g, w in zip(gs, _pairs(w_gdf)))
-    dw = [_weight_grad(kernel, weight_grad, x_md, g, sizes_g, w)
-          for g, w in zip(gs, _pairs(w_gdf))]
+    pairs = list(zip(_pairs(w_gdf, g_mf, 1), _pairs(w_gdf)))  # (cotangent, weights) each
+    dx = sum(_input_grad(kernel, g, w, sizes_g) for g, w in pairs)
+    dw = [_weight_grad(kernel, weight_grad, x_md, g, sizes_g, w) for g, w in pairs]
     return dx.astype(x_md.dtype), prepared(_per_pair(w_gdf, dw, 2))[0], None
 
 
