@@ -1,6 +1,6 @@
 """Mixture-of-Experts on the mesh, all but the parameters (`model.MoE` holds those) and the
 router (`router.py`): each token through its chosen experts, dropless (`grouped_ffn`) or in
-fixed capacity buffers (`capacity_ffn`; `exchanged_ffn` with the experts split: two
+fixed capacity buffers (`capacity_ffn`; with the experts split, moved by two
 all-to-alls), on the devices that hold them (`experts_layer`), and what that moves
 (`traffic`, the planner's). docs/moe.md has the design.
 
@@ -82,45 +82,34 @@ def _batched_ffn(buffer_ecd, gate_up_edcf, down_efd, prepare):
     return mm(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], down_efd, None).reshape(e, c, d)
 
 
-def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int, prepare=None):
-    """`grouped_ffn` with each local expert's assignments in a fixed [cap, D] buffer (`slots`):
+def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int,
+                 axis: str | None = None, n: int = 1, prepare=None):
+    """`grouped_ffn` with each expert's assignments in a fixed [cap, D] buffer (`slots`):
     plain batched matmuls, the same shapes whatever the routing (what a GPU without grouped
-    matmul kernels runs well); an assignment without a slot contributes zero."""
-    n, k = slot_nk.shape
-    e_local, d = gate_up_edcf.shape[0], x_nd.shape[-1]
-    flat = slot_nk.reshape(-1)
-    kept = flat >= 0
-    where = jnp.where(kept, flat, e_local * cap)  # the assignments without a slot: one more row
-    rows = x_nd[jnp.arange(n * k) // k]  # each assignment's token
-    buffer = jnp.zeros((e_local * cap + 1, d), x_nd.dtype).at[where].set(rows)
-    out = _batched_ffn(buffer[:-1].reshape(e_local, cap, d), gate_up_edcf, down_efd,
-                       prepare).reshape(-1, d)
-    y = jnp.where(kept[:, None], out[jnp.minimum(where, e_local * cap - 1)], 0)
-    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights_nk.astype(y.dtype))
+    matmul kernels runs well); an assignment without a slot contributes zero.
 
-
-def exchanged_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int, axis: str,
-                  n: int, prepare=None):
-    """`capacity_ffn` with the experts split over `axis` (n devices) and the tokens moved by
-    two all-to-alls (GShard's dispatch): this device's assignments go into a [E, cap, D]
-    buffer by their global expert (`slots` over all E, each expert taking at most `cap` of
-    this device's), the all-to-all hands each device the rows for its experts from every
-    device ([n, E/n, cap, D]), they run there, and the second all-to-all brings the outputs
-    home, where each token sums its k. A device holds E x cap rows, about its own
-    assignments x the capacity factor, whatever n: where gathering every device's tokens
-    (`grouped_ffn`'s dispatch) holds n times them."""
+    With the experts split over `axis` (n devices) the tokens move by two all-to-alls
+    (GShard's dispatch): this device's assignments go into a [E, cap, D] buffer by their
+    global expert (`slots` over all E, each expert taking at most `cap` of this device's), the
+    all-to-all hands each device the rows for its experts from every device ([n, E/n, cap,
+    D]), they run there, and the second all-to-all brings the outputs home, where each token
+    sums its k. A device holds E x cap rows, about its own assignments x the capacity factor,
+    whatever n: where gathering every device's tokens (`grouped_ffn`'s dispatch) holds n
+    times them. Without `axis` (n = 1) the experts are all local and nothing moves."""
     k, (e_local, d) = slot_nk.shape[1], gate_up_edcf.shape[:2]
     flat = slot_nk.reshape(-1)
     kept = flat >= 0
-    where = jnp.where(kept, flat, n * e_local * cap)  # the dropped: one more row
-    rows = x_nd[jnp.arange(flat.size) // k]
+    where = jnp.where(kept, flat, n * e_local * cap)  # the assignments without a slot: one more row
+    rows = x_nd[jnp.arange(flat.size) // k]  # each assignment's token
     send = jnp.zeros((n * e_local * cap + 1, d), x_nd.dtype).at[where].set(rows)[:-1]
-    got = jax.lax.all_to_all(send.reshape(n, e_local * cap, d), axis, 0, 0, tiled=True)
+    exchange = (lambda v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True)) if axis else (
+        lambda v: v)
+    got = exchange(send.reshape(n, e_local * cap, d))
     # [source, local expert, cap, D] -> [local expert, source x cap, D]
     got = got.reshape(n, e_local, cap, d).swapaxes(0, 1).reshape(e_local, n * cap, d)
     out = _batched_ffn(got, gate_up_edcf, down_efd, prepare)
     out = out.reshape(e_local, n, cap, d).swapaxes(0, 1).reshape(n, e_local * cap, d)
-    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(-1, d)  # [E x cap, D]
+    back = exchange(out).reshape(-1, d)  # [E x cap, D]
     y = jnp.where(kept[:, None], back[jnp.minimum(where, back.shape[0] - 1)], 0)
     return jnp.einsum("nkd,nk->nd", y.reshape(-1, k, d), weights_nk.astype(y.dtype))
 
@@ -176,14 +165,14 @@ def experts_layer(x_btd, router_de, gate_up_edcf, down_efd, bias_e, probe_s, *,
         # forward and backward, and keeps them as given (`grouped.matmul`'s `prepare`)
         varied = functools.partial(vary, axes=tokens)
         if exchange:
-            y = exchanged_ffn(x, gate_up, down, weights, slot, cap, e_axis,
-                              bias.shape[0] // e_local, varied)
+            y = capacity_ffn(x, gate_up, down, weights, slot, cap, e_axis,
+                             bias.shape[0] // e_local, varied)
         else:
             if e_axis is not None:
                 x, weights = all_gather(x, e_axis), all_gather(weights, e_axis)
             y = (grouped_ffn(x, gate_up, down, weights, mine, first, kernel, weight_grad, varied)
                  if slot is None else
-                 capacity_ffn(x, gate_up, down, weights, slot, cap, varied))
+                 capacity_ffn(x, gate_up, down, weights, slot, cap, prepare=varied))
             if e_axis is not None:
                 y = psum_scatter(y, e_axis)
         if t_axis is not None:

@@ -190,7 +190,7 @@ def test_exchanged_capacity_buffers_drop_per_device_as_capacity_ffn_would():
 
     def local(x, gate_up, down, weights, experts):
         slot, dropped = moe.slots(experts, 0, E, cap)
-        y = moe.exchanged_ffn(x, gate_up, down, weights, slot, cap, "expert", ep)
+        y = moe.capacity_ffn(x, gate_up, down, weights, slot, cap, "expert", ep)
         return y, jax.lax.psum(dropped, "expert")
 
     split = P("expert")
