@@ -102,8 +102,10 @@ def capacity_ffn(x_nd, gate_up_edcf, down_efd, weights_nk, slot_nk, cap: int,
     where = jnp.where(kept, flat, n * e_local * cap)  # the assignments without a slot: one more row
     rows = x_nd[jnp.arange(flat.size) // k]  # each assignment's token
     send = jnp.zeros((n * e_local * cap + 1, d), x_nd.dtype).at[where].set(rows)[:-1]
-    exchange = (lambda v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True)) if axis else (
-        lambda v: v)
+
+    def exchange(v):  # [n, E/n x cap, D]: the row blocks for device i go to device i
+        return jax.lax.all_to_all(v, axis, 0, 0, tiled=True) if axis else v
+
     got = exchange(send.reshape(n, e_local * cap, d))
     # [source, local expert, cap, D] -> [local expert, source x cap, D]
     got = got.reshape(n, e_local, cap, d).swapaxes(0, 1).reshape(e_local, n * cap, d)
