@@ -234,7 +234,7 @@ def memory(compiled) -> dict:
 
 # the dumped buffer assignment: `allocation N: size S, ... preallocated-temp:`, its values
 # ` value: <id name @0> (size=S,offset=O): shape`; the live ranges: `  name{index}:start-end`
-_VALUE = re.compile(r"^ value: <\d+ (?P<name>\S+) @\S*> "
+_VALUE = re.compile(r"^ value: <\d+ (?P<name>\S+)(?: \(phi\))? @\S*> "
                     r"\(size=(?P<size>\d+),offset=(?P<at>\d+)\)")
 _RANGE = re.compile(r"^\s+(?P<name>\S+\{[^}]*\}):(?P<start>\d+)-(?P<end>\d+)$", re.M)
 
@@ -248,10 +248,11 @@ def dump_options(directory: str) -> dict:
 def live_temp_bytes(directory: str) -> int | None:
     """The most bytes of temporaries alive at once in the module XLA dumped into `directory`
     (`dump_options`): its temp buffer's values, each from its definition to its last use in
-    the schedule (a loop body's once: its iterations run one after another), the values that
-    share bytes while alive (one buffer, aliased: an update in place, a loop's carry) counted
-    once. The temp buffer itself (`memory`'s temp_bytes) is at least this; the rest is how XLA
-    packed the values into it. None where the dump has no live ranges."""
+    the schedule (a loop body's once: its iterations run one after another), a loop's carry
+    (XLA's phi values) included, the values that share bytes while alive (one buffer, aliased:
+    an update in place, a loop's carry) counted once. The temp buffer itself (`memory`'s
+    temp_bytes) is at least this; the rest is how XLA packed the values into it. None where
+    the dump has no live ranges."""
     found = [glob.glob(os.path.join(directory, f"*after_optimizations-{kind}.txt"))
              for kind in ("buffer-assignment", "live-range")]
     if not all(len(f) == 1 for f in found):

@@ -21,10 +21,11 @@ from spmd3d.plan import memory as plan_memory
 
 LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
 
-# the draw `make test` compiles (`describe(draw(seed))` names it): of seeds 1-24 the one in the
-# band on both jax 0.10.2 and 0.12 today (docs/planner.md), a guard against regressions there,
-# not evidence for the rest
-SAMPLE = (15,)
+# the draws `make test` compiles (`describe(draw(seed))` names each), guards against
+# regressions, not evidence for the rest (docs/planner.md): 15, in the band on jax 0.10.2 and
+# 0.12 since 2026-11-27; 17 and 21 (jax 0.12), accumulating without a pipeline: an MoE layer's
+# microbatch gradients beside the accumulator, the tables' sum over `seq` at ZeRO-1
+SAMPLE = (15, 17, 21)
 FIRST = int(os.environ.get("PLANNER_SEED", 1))
 LARGER = range(FIRST, FIRST + int(os.environ.get("PLANNER_DRAWS", 24)))
 

@@ -6,7 +6,7 @@ tracing it on abstract shapes: no devices, nothing compiled.
 
 Memory per device, by kind:
 * parameters, optimizer state (Adam's two moments), gradients (fp32): each parameter's shard
-  under its ZeRO table (`param_shapes`: the model's own abstract state);
+  under its ZeRO table (`inventory.py`: the model's own abstract state);
 * saved activations: what the backward keeps of a layer, asked of the layer itself
   (`residuals.py`: its vjp traced at one device's share, per remat policy and kernel) times
   the layer passes alive at the peak (`activation_bytes`: one microbatch without a pipeline,
@@ -21,81 +21,15 @@ Memory per device, by kind:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 
-from ..config import ModelConfig
 from ..mesh import STAGE
 from . import residuals
+from .inventory import (F32, itemsize, param_shapes, shard_size, stage_layers, state_bytes,
+                        table_shard)
 from .quirks import applies
 
-F32 = 4
-
-
-def itemsize(dtype: str) -> int:
-    return 2 if dtype in ("bfloat16", "float16") else 4
-
-
-@lru_cache(maxsize=64)
-def _inventory(m: ModelConfig, layers: int) -> tuple[dict, frozenset]:
-    """({parameter key: (global shape, logical names)}, the keys of state the optimizer does
-    not train) of the model with `layers` stored layer slots, read from the model's own
-    abstract state (`model.abstract_model`: nothing allocated): its shapes, its logical
-    names, and `untrained.Untrained` by type (the router's state, FP8's)."""
-    from flax import nnx
-
-    from ..model import abstract_model
-    from ..untrained import Untrained
-    from ..store import flat
-
-    order = tuple(range(m.stacked_layers)) + (-1,) * (layers - m.stacked_layers)  # -1: padding
-    _, params = abstract_model(m, order)
-    variables = flat(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    shapes = {k: (tuple(v.shape), tuple(v.get_metadata("axes"))) for k, v in variables.items()}
-    return shapes, frozenset(k for k, v in variables.items() if isinstance(v, Untrained))
-
-
-def param_shapes(m: ModelConfig, layers: int) -> dict:
-    """{parameter key: (global shape, logical names)} with `layers` layer slots (`_inventory`)."""
-    return _inventory(m, layers)[0]
-
-
-def untrained(m: ModelConfig, layers: int) -> frozenset:
-    """The keys of `param_shapes` the optimizer does not train (`Untrained`: no moments)."""
-    return _inventory(m, layers)[1]
-
-
-def _axes(rule) -> tuple:
-    return () if rule is None else rule if isinstance(rule, tuple) else (rule,)
-
-
-def shard_size(shape, names, rules, mesh: dict) -> int:
-    """Elements of one device's shard of an array laid out by `rules` (uneven dims padded)."""
-    n = 1
-    for dim, axes in zip(shape, rules.spec(names)):
-        n *= -(-dim // math.prod(mesh[a] for a in _axes(axes)))
-    return n
-
-
-def state_bytes(plan) -> dict:
-    """Per-device bytes of parameters, optimizer state and fp32 gradients: exactly what
-    `footprint.state_terms` reads from the shardings, without them (kept: a search asks again)."""
-    return dict(_state_bytes(plan.cfg.model, len(plan.layer_order), plan.rules,
-                             tuple(plan.mesh.shape.items()), plan.cfg.optim.moment_dtype))
-
-
-@lru_cache(maxsize=1024)
-def _state_bytes(model, layers: int, rules, mesh_items: tuple, moments: str) -> dict:
-    mesh, shapes, skip = dict(mesh_items), param_shapes(model, layers), untrained(model, layers)
-    total = lambda table, size, trained=False: size * sum(  # noqa: E731
-        shard_size(s, n, table, mesh) for k, (s, n) in shapes.items()
-        if not (trained and k in skip))
-    pbytes = itemsize(model.param_dtype)
-    return {"parameters": total(rules.params, pbytes),  # two moments and a count, trained only
-            "optimizer_state": 2 * total(rules.opt, pbytes if moments == "auto" else
-                                         itemsize(moments), trained=True) + 4,
-            "gradients": total(rules.grads, F32)}
+EXPERTS = ("blocks/mlp/w_gate_up", "blocks/mlp/w_down")  # an MoE layer's experts' weights
 
 
 def gathered_layers(plan) -> int:
@@ -107,14 +41,6 @@ def gathered_layers(plan) -> int:
             and plan.cfg.parallel.zero3_gather == "step"):
         return 0
     return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
-
-
-def stage_layers(plan) -> int:
-    """Elements of the layers a device computes with (its compute shard)."""
-    mesh = dict(plan.mesh.shape)
-    shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
-    return sum(shard_size(s, names, plan.rules.compute, mesh)
-               for k, (s, names) in shapes.items() if k.startswith("blocks/"))
 
 
 def layer_weights(plan) -> int:
@@ -130,16 +56,36 @@ def layer_weights(plan) -> int:
     return layer * ((c if rules.params_over_batch else 0) + c + F32)
 
 
+def head_copy(plan) -> int:
+    """Elements of XLA:CPU's fp32 copy of a narrow head the loss reads, held for an
+    accumulated microbatch (`narrow_head_fp32_copy`)."""
+    narrow = itemsize(plan.cfg.model.dtype) < F32 and applies("narrow_head_fp32_copy")
+    return narrow * table_shard(plan, "head")
+
+
 def table_gradients(plan) -> int:
-    """Accumulating without a pipeline: a microbatch's fp32 gradients of the embedding and
-    the head (their compute shard, whole over the token axes) and, when ZeRO-2/3 shard the
-    accumulator, their sum over those axes (`reduce_inside_accumulation`; a whole one shares
-    bytes with the sum)."""
+    """Accumulating without a pipeline, at a microbatch's end: its fp32 gradients of the
+    tables (their compute shard, whole over the token axes), their sum over those axes
+    (`reduce_inside_accumulation`), and the head's fp32 copy (`head_copy`)."""
     deg, accumulating = plan.degrees, plan.schedule is None and plan.accum_steps > 1
-    reduced = (deg.batch * deg.seq > 1 and plan.rules.grads_over_batch and deg.zero > 1
-               and applies("reduce_inside_accumulation"))
-    return accumulating * (1 + reduced) * (table_shard(plan, "head")
-                                           + table_shard(plan, "embed")) * F32
+    reduced = deg.batch * deg.seq > 1 and applies("reduce_inside_accumulation")
+    tables = table_shard(plan, "head") + table_shard(plan, "embed")
+    return accumulating * ((1 + reduced) * tables + head_copy(plan)) * F32
+
+
+def microbatch_gradients(plan, whole: bool = False) -> int:
+    """Accumulating without a pipeline, while a microbatch's layers run backward: its fp32
+    gradients beside the accumulator, the layers' stacked as the accumulator holds them (an
+    MoE layer's experts' too, beside `expert_gradients`; HSDP's `whole` ones counted apart),
+    the embedding's when `tensor` splits the vocabulary (the lookup's cotangents scattered
+    into a zeroed table from the forward on), and the head's fp32 copy (`head_copy`)."""
+    if plan.schedule is not None or plan.accum_steps == 1:
+        return 0
+    shapes, mesh = param_shapes(plan.cfg.model, len(plan.layer_order)), dict(plan.mesh.shape)
+    layers = sum(shard_size(s, n, plan.rules.grads, mesh)
+                 for k, (s, n) in shapes.items() if k.startswith("blocks/"))
+    embed = (plan.degrees.tensor > 1) * table_shard(plan, "embed")
+    return ((not whole) * layers + embed + head_copy(plan)) * F32
 
 
 def expert_gradients(plan) -> int:
@@ -153,8 +99,7 @@ def expert_gradients(plan) -> int:
     if plan.accum_steps == 1 and not split:
         return 0
     shapes = param_shapes(m, len(plan.layer_order))
-    return sum(shard_size(*shapes[k], rules.compute, mesh) for k in ("blocks/mlp/w_gate_up",
-                                                                     "blocks/mlp/w_down")) * F32
+    return sum(shard_size(*shapes[k], rules.compute, mesh) for k in EXPERTS) * F32
 
 
 def working_terms(plan) -> dict:
@@ -199,14 +144,6 @@ def gathered_tables(plan) -> int:
     return hoisted * plan.rules.params_over_batch * (
         table_shard(plan, "embed") * itemsize(m.param_dtype)
         + table_shard(plan, "head") * itemsize(m.dtype))
-
-
-def table_shard(plan, which: str) -> int:
-    """Elements of the head (`head`) or the embedding (`embed`) a device holds as it computes."""
-    m = plan.cfg.model
-    shape, names = (((m.d_model, m.vocab_size), ("embed", "vocab")) if which == "head" else
-                    ((m.vocab_size, m.d_model), ("vocab", "embed")))
-    return shard_size(shape, names, plan.rules.compute, dict(plan.mesh.shape))
 
 
 def _slots(plan) -> int:
@@ -367,7 +304,9 @@ def memory(plan) -> dict:
     kinds["whole_gradients"] = stage_layers(plan) * F32 if (
         s is None and plan.accum_steps > 1 and sharded and plan.degrees.replicate > 1
         and applies("hsdp_reduces_whole")) else 0
-    loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["layer_weights"]
+    kinds["microbatch_gradients"] = microbatch_gradients(plan, kinds["whole_gradients"] > 0)
+    loss, layer = kinds["logits_loss"], (kinds["layer_working"] + kinds["layer_weights"]
+                                         + kinds["microbatch_gradients"])
     deg = plan.degrees
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and deg.tensor > 1
     if (s is None and plan.accum_steps == 1 and not sp and deg.seq == 1 and deg.batch > 1

@@ -49,6 +49,10 @@ QUIRKS = {
         "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "
         "without SP, the ring, a pipeline or accumulated microbatches (there it reuses a "
         "buffer live anyway)"),
+    "narrow_head_fp32_copy": Quirk(
+        "cpu", "accumulating microbatches in a narrow compute dtype, the loss's dots read an "
+               "fp32 copy of the head's shard, made at the microbatch's start and held to its "
+               "end, beside the tables' gradients"),
 }
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ..mesh import DATA, EXPERT, SEQ, STAGE
 from ..sharding import flat_axes
-from .memory import F32, _slots, itemsize, over_stage, param_shapes, shard_size
+from .inventory import F32, itemsize, param_shapes, shard_size
+from .memory import _slots, over_stage
 
 
 def traffic(plan, act: float, f: int, again: int) -> list[tuple[str, str, tuple, float]]:

@@ -18,7 +18,8 @@ from .. import moe, offload, ring, ulysses, vocab
 from ..mesh import DATA, EXPERT, REPLICATE, SEQ, STAGE, TENSOR
 from ..sharding import mesh_axes
 from . import tables
-from .memory import F32, Widths, itemsize, param_shapes, shard_size, state_bytes, untrained
+from .inventory import F32, itemsize, param_shapes, shard_size, state_bytes, untrained
+from .memory import Widths
 from .quirks import applies
 
 # extra forward passes of the layers' matmuls the backward redoes, per remat policy
