@@ -198,6 +198,7 @@ def test_accumulating_counts_a_microbatchs_table_gradients_and_their_sum(monkeyp
     alive = compiled["live_temp_bytes"]
     assert alive == pytest.approx(compiled["temp_bytes"], rel=0.01)
     assert mem["temp_bytes"] == pytest.approx(alive, rel=0.05), (mem["temp_bytes"], alive)
+    assert mem["temp_bytes"] <= compiled["temp_bytes"]
     head, embed = (plan_memory.table_shard(plan, t) for t in ("head", "embed"))
     assert mem["by_kind"]["table_gradients"] == (2 * (head + embed) + head) * 4
     monkeypatch.setattr(plan_memory, "table_gradients", lambda plan: 0)
