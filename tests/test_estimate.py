@@ -304,6 +304,7 @@ QUIRK_LAYOUTS = {
     # (a vocabulary wide enough that the loss, not a layer's backward, is the peak)
     "head_gradient_fp32_copy": dict(data=8, extra=["model.dtype=bfloat16",
                                                    "model.vocab_size=1024"]),
+    "dot_operand_copies": dict(data=8),
     "narrow_head_fp32_copy": dict(data=8, micro=2, extra=["model.dtype=bfloat16",
                                                           "model.vocab_size=32000"]),
 }

@@ -33,14 +33,16 @@ EXPERTS = ("blocks/mlp/w_gate_up", "blocks/mlp/w_down")  # an MoE layer's expert
 
 
 def gathered_layers(plan) -> int:
-    """ZeRO-3 with a pipeline (`parallel.zero3_gather=step`): the stage's layers gathered over
-    data for the step (its compute shard: split over stage and tensor only) and their fp32
-    gradient accumulator. Nothing when the batch is not split (data 1: the gather is the
-    identity, and the compiled step holds what ZeRO-1 holds)."""
-    if not (plan.schedule and plan.rules.params_over_batch and plan.degrees.zero > 1
-            and plan.cfg.parallel.zero3_gather == "step"):
+    """A pipeline whose gradients ZeRO-2/3 split over data: the stage's fp32 gradient
+    accumulated whole over data (the pipeline hands back its compute shard, reduced over data
+    after it) and, under ZeRO-3 with `parallel.zero3_gather=step`, the stage's layers gathered
+    over data for the step (their compute shard: split over stage and tensor only). Nothing
+    when the batch is not split (data 1: the compiled step holds what ZeRO-1 holds)."""
+    rules = plan.rules
+    if not (plan.schedule and rules.grads_over_batch and plan.degrees.zero > 1):
         return 0
-    return stage_layers(plan) * (itemsize(plan.cfg.model.param_dtype) + F32)
+    gathered = rules.params_over_batch and plan.cfg.parallel.zero3_gather == "step"
+    return stage_layers(plan) * (gathered * itemsize(plan.cfg.model.param_dtype) + F32)
 
 
 def layer_weights(plan) -> int:
@@ -57,8 +59,9 @@ def layer_weights(plan) -> int:
 
 
 def head_copy(plan) -> int:
-    """Elements of XLA:CPU's fp32 copy of a narrow head the loss reads, held for an
-    accumulated microbatch (`narrow_head_fp32_copy`)."""
+    """Elements of XLA:CPU's fp32 copy of a narrow head the loss's dots read
+    (`narrow_head_fp32_copy`): held for an accumulated microbatch, and for ZB-H1's F that runs
+    the head."""
     narrow = itemsize(plan.cfg.model.dtype) < F32 and applies("narrow_head_fp32_copy")
     return narrow * table_shard(plan, "head")
 
@@ -100,6 +103,15 @@ def expert_gradients(plan) -> int:
         return 0
     shapes = param_shapes(m, len(plan.layer_order))
     return sum(shard_size(*shapes[k], rules.compute, mesh) for k in EXPERTS) * F32
+
+
+def branch_gradients(plan) -> int:
+    """ZB-H1's switch: each branch hands back a gradient of the stage's layers (W its own,
+    the others zeros), fp32, beside the accumulator (`branch_buffers`), and the stage's layers
+    cast to a narrow compute dtype once for the step."""
+    m = plan.cfg.model
+    narrow = itemsize(m.dtype) < F32
+    return applies("branch_buffers") * stage_layers(plan) * (F32 + narrow * itemsize(m.dtype))
 
 
 def working_terms(plan) -> dict:
@@ -229,7 +241,7 @@ def activation_bytes(plan) -> dict:
     # projections' output cotangents
     mlp = layer.kept("none", split, drops, True) - layer.kept(inner, split, drops, True)
     working = (kept("none") - kept(inner) + layer.projection_outputs
-               + _kernel_working(plan, mlp_recomputed=mlp))
+               + _kernel_working(plan, mlp_recomputed=mlp)) + mlp_operands(plan) / n
     m = cfg.model
     if m.is_moe and s is not None and deg.tensor > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
@@ -244,6 +256,19 @@ def activation_bytes(plan) -> dict:
     w_stash = chunk * (layer.projection_inputs + layer.projection_outputs) * n
     return {"saved_activations": int(passes * per_pass * n), "layer_working": int(working * n),
             "w_stash_per_pass": int(w_stash), "host_activations": int(host)}
+
+
+def mlp_operands(plan) -> int:
+    """Per-device bytes of XLA:CPU's operands of a dense MLP's widest backward matmuls (quirk
+    `dot_operand_copies`), beyond the projection's output cotangent: that cotangent in a
+    second layout, fp32 (in a narrow dtype, fp32 in both layouts, and the gate and up
+    weights' fp32 copy)."""
+    m = plan.cfg.model
+    if m.is_moe or not applies("dot_operand_copies"):
+        return 0
+    narrow = itemsize(m.dtype) < F32
+    width = 2 * m.d_ff // plan.degrees.tensor  # gate and up, this device's share
+    return ((1 + narrow) * plan.tokens_per_microbatch + narrow * m.d_model) * width * F32
 
 
 def _kernel_working(plan, mlp_recomputed: float) -> float:
@@ -285,18 +310,20 @@ def memory(plan) -> dict:
     """Per-device bytes by kind (`footprint.by_kind`'s kinds, and `layer_working`), the
     temporaries and the total. The temporaries' peak: gradients, saved activations and the
     pipeline's buffers, plus the larger of the loss's working set (the head's backward runs
-    before any layer's) and one layer's backward; a schedule that runs the head per
-    microbatch inside the pipeline (1F1B, ZB-H1) also accumulates the head's gradient; an
+    before any layer's) and one layer's backward; 1F1B, which runs the head per microbatch
+    inside its slots, also accumulates the head's gradient; ZB-H1's switch holds the larger of
+    its head's, a B's and a W's working set beside its branches' gradients and its W stash; an
     accumulating step's microbatch end may be larger (`table_gradients`)."""
     kinds = {**state_bytes(plan), **working_terms(plan), **activation_bytes(plan)}
     s, m = plan.schedule, plan.cfg.model
     head = table_shard(plan, "head") * F32
     # the head's gradient accumulated whole per device: by the loss's pieces when ZeRO-2/3
-    # shard the gradients over the batch, by the schedule's microbatches under 1F1B or ZB-H1;
-    # each MTP depth's use of the head and the embedding holds one more of each, whole
+    # shard the gradients over the batch (ZB-H1's too), by 1F1B's microbatches; each MTP
+    # depth's use of the head and the embedding holds one more of each, whole
     sharded = plan.rules.grads_over_batch and plan.degrees.zero > 1
     embed = table_shard(plan, "embed")
-    kinds["head_gradients"] = (sharded + 2 * bool(s and s.head_inside)) * head + \
+    lockstep = bool(s and s.mode == "lockstep")
+    kinds["head_gradients"] = (sharded + 2 * lockstep) * head + \
         m.mtp_layers * (head + embed * F32)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
@@ -315,8 +342,14 @@ def memory(plan) -> dict:
     kinds["w_stash"], kinds["mtp_working"] = 0, mtp_working(plan, kinds) if s is not None else 0
     if s is not None and s.mode == "switch":  # the W stash waits beside the branches
         kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
-        peak = (1 + applies("branch_buffers")) * loss + kinds["mtp_working"] + layer + \
-            kinds["w_stash"]
+        kinds["branch_gradients"] = branch_gradients(plan)
+        # an F with the head: one loss piece, the head's fp32 copy its dots read when narrow,
+        # and, split over data, the microbatch's gradient of the head beside its accumulator;
+        # a W over more than one layer: one layer's fresh gradient beside the stack it fills
+        head_phase = loss + head_copy(plan) * F32 + sharded * head
+        w_phase = stage_layers(plan) * F32 // plan.layers_per_stage * (plan.layers_per_chunk > 1)
+        peak = max(head_phase, layer, w_phase) + kinds["mtp_working"] + kinds["w_stash"] + \
+            kinds["branch_gradients"]
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
         peak = loss + kinds["mtp_working"] + layer
     elif s is not None:  # GPipe's backward, autodiff of its slot loop

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MEASURED_ON = "0.10"  # jax major.minor of every entry
+# jax major.minor the whole table was last checked on: `make test` compiles the layouts that
+# show each entry (`tests/test_estimate.py`, the property's draws) on the jax `make` installs
+MEASURED_ON = "0.12"
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,9 @@ QUIRKS = {
         "any", "autodiff of GPipe's slot loop hands back a fresh fp32 gradient of the stage's "
         "layers per slot, beside the accumulator"),
     "branch_buffers": Quirk(
-        "any", "each branch of a per-device switch has buffers of its own: ZB-H1's F and B "
-        "each hold a loss piece"),
+        "any", "each branch of ZB-H1's per-device switch hands back a gradient of the stage's "
+        "layers (W its own, F and B zeros), beside the accumulator, and the stage's layers are "
+        "cast to a narrow compute dtype once for the step"),
     "hsdp_reduces_whole": Quirk(
         "any", "under HSDP, accumulated microbatches' gradients are all-reduced whole over a "
         "ZeRO group and then sliced (not reduce-scattered), before their shard is reduced "
@@ -49,10 +52,14 @@ QUIRKS = {
         "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "
         "without SP, the ring, a pipeline or accumulated microbatches (there it reuses a "
         "buffer live anyway)"),
+    "dot_operand_copies": Quirk(
+        "cpu", "a dense MLP's backward reads the gate and up projections' output cotangent "
+               "in two layouts, one per matmul, each a copy of its own in fp32 (a narrow "
+               "dtype's matmuls read fp32 copies of their operands, the weights' too)"),
     "narrow_head_fp32_copy": Quirk(
-        "cpu", "accumulating microbatches in a narrow compute dtype, the loss's dots read an "
-               "fp32 copy of the head's shard, made at the microbatch's start and held to its "
-               "end, beside the tables' gradients"),
+        "cpu", "in a narrow compute dtype the loss's dots read an fp32 copy of the head's "
+               "shard: accumulating microbatches, made at a microbatch's start and held to "
+               "its end, beside the tables' gradients; in ZB-H1, while an F runs the head"),
 }
 
 
