@@ -86,6 +86,11 @@ def stage_layers(plan) -> int:
                for k, (s, names) in shapes.items() if k.startswith("blocks/"))
 
 
+def layer_shard(plan) -> int:
+    """Elements of one layer slot of the device's compute shard (the stage's over its slots)."""
+    return stage_layers(plan) // plan.layers_per_stage
+
+
 def table_shard(plan, which: str) -> int:
     """Elements of the head (`head`) or the embedding (`embed`) a device holds as it computes."""
     m = plan.cfg.model

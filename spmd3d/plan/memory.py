@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from ..mesh import STAGE
 from . import residuals
-from .inventory import (F32, itemsize, param_shapes, shard_size, stage_layers, state_bytes,
-                        table_shard)
+from .inventory import (F32, itemsize, layer_shard, param_shapes, shard_size, stage_layers,
+                        state_bytes, table_shard)
 from .quirks import applies
 
 EXPERTS = ("blocks/mlp/w_gate_up", "blocks/mlp/w_down")  # an MoE layer's experts' weights
@@ -54,7 +54,7 @@ def layer_weights(plan) -> int:
     if plan.schedule is not None or plan.degrees.zero == 1 or not rules.grads_over_batch:
         return 0
     c = itemsize(plan.cfg.model.dtype)
-    layer = stage_layers(plan) // len(plan.layer_order)  # one layer's compute shard
+    layer = layer_shard(plan)
     return layer * ((c if rules.params_over_batch else 0) + c + F32)
 
 
@@ -347,7 +347,7 @@ def memory(plan) -> dict:
         # and, split over data, the microbatch's gradient of the head beside its accumulator;
         # a W over more than one layer: one layer's fresh gradient beside the stack it fills
         head_phase = loss + head_copy(plan) * F32 + sharded * head
-        w_phase = stage_layers(plan) * F32 // plan.layers_per_stage * (plan.layers_per_chunk > 1)
+        w_phase = layer_shard(plan) * F32 * (plan.layers_per_chunk > 1)
         peak = max(head_phase, layer, w_phase) + kinds["mtp_working"] + kinds["w_stash"] + \
             kinds["branch_gradients"]
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
