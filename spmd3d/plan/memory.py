@@ -105,6 +105,22 @@ def expert_gradients(plan) -> int:
     return sum(shard_size(*shapes[k], rules.compute, mesh) for k in EXPERTS) * F32
 
 
+def expert_reduce(plan) -> int:
+    """MoE without a pipeline, the experts' gradient neither accumulated nor split over data
+    (`expert_gradients` counts none): at the end of each MoE layer's backward its shard_map
+    sums the layer's fp32 gradient of the experts over the token axes the experts are copied
+    on (`manual.vary`), the sum's input and its result alive together beside the gradients,
+    once the layer's other working set is gone (seeds 6 and 10 of the planner's property)."""
+    m, deg = plan.cfg.model, plan.degrees
+    if not m.is_moe or plan.schedule is not None or expert_gradients(plan) or \
+            deg.replicas * deg.replicate * deg.seq == 1:
+        return 0
+    shapes, mesh = param_shapes(m, len(plan.layer_order)), dict(plan.mesh.shape)
+    layer = sum(shard_size(*shapes[k], plan.rules.compute, mesh) // shapes[k][0][0]
+                for k in EXPERTS)
+    return 2 * layer * F32
+
+
 def branch_gradients(plan) -> int:
     """ZB-H1's switch: each branch hands back a gradient of the stage's layers (W its own,
     the others zeros), fp32, beside the accumulator (`branch_buffers`), and the stage's layers
@@ -355,8 +371,8 @@ def memory(plan) -> dict:
     elif s is not None:  # GPipe's backward, autodiff of its slot loop
         peak = max(loss + kinds["mtp_working"],
                    layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
-    else:
-        peak = max(loss, layer)
+    else:  # the loss's backward, one layer's, or the end of an MoE layer's
+        peak = max(loss, layer, expert_reduce(plan))
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["gathered_tables"] + kinds["dense_activations"]
