@@ -78,12 +78,14 @@ def _state_bytes(model, layers: int, rules, mesh_items: tuple, moments: str) -> 
             "gradients": total(rules.grads, F32)}
 
 
-def stage_layers(plan) -> int:
-    """Elements of the layers a device computes with (its compute shard)."""
+def stage_layers(plan, table=None, keys: tuple = ()) -> int:
+    """Elements of the layers a device holds under rules `table` (by default what it computes
+    with: its compute shard); `keys`: of those parameters alone (all the layers' by default)."""
     mesh = dict(plan.mesh.shape)
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
-    return sum(shard_size(s, names, plan.rules.compute, mesh)
-               for k, (s, names) in shapes.items() if k.startswith("blocks/"))
+    return sum(shard_size(s, names, table or plan.rules.compute, mesh)
+               for k, (s, names) in shapes.items()
+               if k in keys or not keys and k.startswith("blocks/"))
 
 
 def layer_shard(plan) -> int:

@@ -84,9 +84,7 @@ def microbatch_gradients(plan, whole: bool = False) -> int:
     into a zeroed table from the forward on), and the head's fp32 copy (`head_copy`)."""
     if plan.schedule is not None or plan.accum_steps == 1:
         return 0
-    shapes, mesh = param_shapes(plan.cfg.model, len(plan.layer_order)), dict(plan.mesh.shape)
-    layers = sum(shard_size(s, n, plan.rules.grads, mesh)
-                 for k, (s, n) in shapes.items() if k.startswith("blocks/"))
+    layers = stage_layers(plan, plan.rules.grads)
     embed = (plan.degrees.tensor > 1) * table_shard(plan, "embed")
     return ((not whole) * layers + embed + head_copy(plan)) * F32
 
@@ -95,14 +93,12 @@ def expert_gradients(plan) -> int:
     """MoE without a pipeline: a microbatch's gradient of the experts, whole over their
     replicas and in fp32 (their shard_map sums it over the token axes, `manual.vary`), beside
     the accumulator when microbatches accumulate or the gradients are split over data."""
-    m, mesh, rules = plan.cfg.model, dict(plan.mesh.shape), plan.rules
-    if not m.is_moe or plan.schedule is not None:
+    if not plan.cfg.model.is_moe or plan.schedule is not None:
         return 0
-    split = rules.grads["expert_embed"] is not None and plan.degrees.replicas > 1
+    split = plan.rules.grads["expert_embed"] is not None and plan.degrees.replicas > 1
     if plan.accum_steps == 1 and not split:
         return 0
-    shapes = param_shapes(m, len(plan.layer_order))
-    return sum(shard_size(*shapes[k], rules.compute, mesh) for k in EXPERTS) * F32
+    return stage_layers(plan, keys=EXPERTS) * F32
 
 
 def expert_reduce(plan) -> int:
@@ -115,10 +111,8 @@ def expert_reduce(plan) -> int:
     if not m.is_moe or plan.schedule is not None or expert_gradients(plan) or \
             deg.replicas * deg.replicate * deg.seq == 1:
         return 0
-    shapes, mesh = param_shapes(m, len(plan.layer_order)), dict(plan.mesh.shape)
-    layer = sum(shard_size(*shapes[k], plan.rules.compute, mesh) // shapes[k][0][0]
-                for k in EXPERTS)
-    return 2 * layer * F32
+    stacked = param_shapes(m, len(plan.layer_order))[EXPERTS[0]][0][0]  # the MoE layers
+    return 2 * stage_layers(plan, keys=EXPERTS) // stacked * F32
 
 
 def branch_gradients(plan) -> int:
