@@ -118,7 +118,7 @@ def measure(cfg: Config, topology) -> dict:
     real = Plan.resolve(cfg, topology=topology)
     n = real.num_devices
     compile_cfg, cut = compiled_layout(real.cfg, n)
-    with grouped.standing_in(), tempfile.TemporaryDirectory() as dump:
+    with grouped.standing_in(), tempfile.TemporaryDirectory() as dump, hlo.uncached():
         # a GPU plan's grouped-matmul kernel, on CPU devices; the buffers' live ranges dumped
         plan = Plan.resolve(compile_cfg, jax.devices()[: n // cut], topology=topology)
         graphdef, abstract, shardings = state_shardings(plan)

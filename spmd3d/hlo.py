@@ -8,6 +8,7 @@ calls (a branch is counted as if taken: what the device that takes it moves).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import itertools
@@ -241,8 +242,27 @@ _RANGE = re.compile(r"^\s+(?P<name>\S+\{[^}]*\}):(?P<start>\d+)-(?P<end>\d+)$", 
 
 def dump_options(directory: str) -> dict:
     """Compiler options (`Lowered.compile(compiler_options=...)`) that make XLA write the
-    compiled module's buffer assignment and live ranges into `directory`."""
+    compiled module's buffer assignment and live ranges into `directory`. Compile with them
+    inside `uncached()`."""
     return {"xla_dump_to": directory, "xla_dump_hlo_as_text": True}
+
+
+@contextlib.contextmanager
+def uncached():
+    """jax's persistent compilation cache off inside: its key leaves out the dump options, so a
+    program compiled before (a second `plan --compile` of one layout, with a cache directory
+    set) would come back from the cache and XLA would write no dump to read."""
+    import jax
+    from jax._src import compilation_cache  # jax decides once per process whether to use it
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
 
 
 def live_temp_bytes(directory: str) -> int | None:

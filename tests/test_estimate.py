@@ -266,6 +266,32 @@ def test_the_temporaries_alive_at_once_are_read_from_the_buffer_assignment(tmp_p
         "temp_bytes"]
 
 
+def test_a_dumped_compile_does_not_come_back_from_the_persistent_cache(tmp_path):
+    """jax's persistent compilation cache (the suite keeps one) leaves the dump options out of
+    its key: a program compiled before comes back from it and XLA writes no dump. Inside
+    `hlo.uncached()` (what `footprint.measure` compiles in) it is compiled again and dumped."""
+    import jax
+    import jax.numpy as jnp
+
+    from spmd3d import hlo
+
+    x = jax.ShapeDtypeStruct((384, 384), jnp.float32)
+    lowered = jax.jit(lambda x: jnp.cumsum(jnp.tanh(x @ x), axis=1)[:4]).lower(x)
+    was = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        for name in ("first", "cached"):
+            lowered.compile(compiler_options=hlo.dump_options(str(tmp_path / name)))
+        with hlo.uncached():
+            lowered.compile(compiler_options=hlo.dump_options(str(tmp_path / "uncached")))
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", was)
+    assert hlo.live_temp_bytes(str(tmp_path / "first")) == 2 * 384 * 384 * 4
+    assert hlo.live_temp_bytes(str(tmp_path / "cached")) is None
+    assert hlo.live_temp_bytes(str(tmp_path / "uncached")) == 2 * 384 * 384 * 4
+    assert jax.config.jax_enable_compilation_cache
+
+
 @pytest.mark.parametrize("name", by_layout([*MEMORY_LAYOUTS, *MOE_LAYOUTS]))
 def test_analytic_collectives_are_the_compiled_within_5_percent(name):
     """Bytes per mesh axis by arithmetic against the compiled step's HLO, counted alike
