@@ -83,7 +83,8 @@ def stage_layers(plan, table=None, keys: tuple = ()) -> int:
     with: its compute shard); `keys`: of those parameters alone (all the layers' by default)."""
     mesh = dict(plan.mesh.shape)
     shapes = param_shapes(plan.cfg.model, len(plan.layer_order))
-    return sum(shard_size(s, names, table or plan.rules.compute, mesh)
+    table = plan.rules.compute if table is None else table
+    return sum(shard_size(s, names, table, mesh)
                for k, (s, names) in shapes.items()
                if k in keys or not keys and k.startswith("blocks/"))
 
