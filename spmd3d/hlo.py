@@ -167,11 +167,14 @@ def _dims(shape: str) -> list[int]:
     return [int(x) for x in _ARRAY.match(shape).group(2).split(",") if x]
 
 
-def matmul_flops(hlo_text: str) -> float:
+def matmul_flops(hlo_text: str, without: int | None = None) -> float:
     """FLOPs of every dot in an HLO module text, each times the trips of the loops around it:
     2 x the result's elements x the contracted size. Unlike XLA's cost analysis, which counts
     a loop body once, this reads a scanned program as it runs (every branch of a conditional
-    counts: meant for the lockstep schedules, whose only conditional is the head's)."""
+    counts: meant for the lockstep schedules, whose only conditional is the head's).
+    `without`: leave out the dots with a dimension of that size (a vocabulary that no other
+    dimension shares: the head's and the loss's dots, forward and backward, leaving a step's
+    layers). A dimension a dot contracts is its left operand's, one it keeps is its result's."""
     lines, trips = _walk(hlo_text)
     shapes, total = {}, 0.0
     for comp, line in lines:
@@ -180,9 +183,11 @@ def matmul_flops(hlo_text: str) -> float:
             shapes[(comp, head.group("name"))] = head.group("shape")
         m = _DOT.match(line)
         if m:
-            lhs = _dims(shapes[(comp, m.group("lhs"))])
+            lhs, out = _dims(shapes[(comp, m.group("lhs"))]), _dims(m.group("shape"))
+            if without in lhs + out:
+                continue
             contracted = math.prod(lhs[int(k)] for k in m.group("k").split(",") if k)
-            total += 2.0 * math.prod(_dims(m.group("shape"))) * contracted * trips(comp)
+            total += 2.0 * math.prod(out) * contracted * trips(comp)
     return total
 
 

@@ -3,11 +3,14 @@
 XLA:CPU's LLVM backend runs at optimisation level 1: the suite is compile-bound (small
 programs, few steps) and LLVM's default optimisation is a large part of each compile (a quarter
 of the suite's time). What the tests assert is decided before it -- the HLO passes, buffer
-assignment, the collectives -- and every comparison is between programs compiled alike. Not
-level 0, which compiled as fast: on an AVX2-only machine (jax 0.12.0.1) its code for the ZB-H1
-FP8 step gave a QKV weight gradient 1.75e-2 (L2) off one device's, at levels 1 and 3 within
-the test's 3e-3, and on the machines before it within too (`test_fp8.py`); one device and 1F1B
-at level 0 agreed to 2e-7, so the code LLVM made at level 0 is what differed.
+assignment, the collectives -- and every comparison is between programs compiled alike. Level
+0 compiles faster (a small 8-device step in 2.1-3.0 s against 3.2-4.3 s; `test_zero.py` and
+`test_equivalence.py` in 90 s against 101; jax 0.12.0.1, 2026-11-30), but at it `test_fp8.py`'s
+ZB-H1 layout fails: its one-device warm-up then reaches a state where ZB-H1's gradient of layer
+0's value projection is 1.75e-2 (L2) off one device's. The gradient programs are not what
+differs -- both compiled at level 1 from that state differ as much -- and from the state level
+1 reaches they agree to 1.5e-7: a difference of ZB-H1's FP8 backward that some states show, not
+explained yet.
 
 One persistent compilation cache serves the whole session, its xdist workers and the processes
 tests start (a run resumed in a fresh process, the processes of a multi-host job, a notebook's
@@ -116,7 +119,18 @@ SLOW = (
     "test_moe_layouts.py::test_checkpoint_resumes_at_another_expert_parallel_degree",
     "test_train.py::test_circular_pipeline_checkpoint_is_canonical",
     "test_api.py::test_data_parallel_losses_equal_one_device",
-    # real widths: test_estimate's layouts, the planner's drawn sample; --search's refusals stay
+    # a run resumed: kept is test_train's resume onto another mesh and ZeRO stage (the CLI),
+    # which restores what the API's `restore` and a changed optimizer chain restore; the check
+    # of a layout's need, kept from the command line (test_memory's refusal in one line)
+    "test_api.py::test_save_and_restore_onto_other_meshes",
+    "test_train.py::test_clip_norm_toggles_across_a_resume",
+    "test_memory.py::test_the_check_in_the_api_and_its_switch",
+    # real widths: test_estimate's layouts, the planner's drawn sample; --search's refusals stay.
+    # The planner's fixed sample keeps draws 15, 21 and 23 (MoE accumulating, the tables' sum
+    # over seq, ZB-H1's branches and a dense MLP's fp32 operands): draw 21 carries the tables'
+    # accumulated gradients that test_estimate's accumulating test counts
+    *(f"test_planner_property.py[{k}]" for k in ("3", "17")),
+    "test_estimate.py::test_accumulating_counts_a_microbatchs_table_gradients_and_their_sum",
     "test_scale.py::test_real_widths_compile_to_the_counted_bytes",
     "test_estimate.py::test_deepseek_v3_preset_compiles_within_an_h800",
     "test_estimate.py::test_moe_presets_compile_within_a_gpu_and_their_plan",
@@ -173,22 +187,28 @@ SLOW = (
     "test_deepseek.py::test_dense_layers_before_a_pipeline_mask_packed_documents",
     *(f"test_deepseek.py[{k}]" for k in (
         "ds_ep2_ring2_tp2", "ds_ep4_tp2_sp_zero3", "ds_ep2_zb_h1_tp2_sp", "ds_ep2_1f1b_tp2")),
-    # bfloat16: kept are data x tensor+SP, ZeRO-3, 1F1B with tensor and ZeRO-3, MoE with experts
-    # and tensor+SP (the layout whose compile aborted)
+    # data x tensor: kept with ZeRO-1 and ZeRO-2 (zero1_dp4_tp2, zero2_dp4_tp2) and with SP
+    *(f"test_equivalence.py[{k}]" for k in ("dp2_tp4", "dp4_tp2")),
+    # bfloat16: kept are data x tensor+SP, 1F1B with tensor and ZeRO-3 (ZeRO-3's gathers), MoE
+    # with experts and tensor+SP (the layout whose compile aborted)
     *(f"test_bf16.py[{k}]" for k in (
-        "dp2_pp2_seq2_zb_h1", "dp8_zero1", "dp2_seq4_tiles2", "dp4_seq2", "dp4_pp2_gpipe",
+        "dp8_zero3", "dp2_pp2_seq2_zb_h1", "dp8_zero1", "dp2_seq4_tiles2", "dp4_seq2",
+        "dp4_pp2_gpipe",
         "ulysses_dp2_tp2_seq2_sp", "hsdp2x2_tp2_zero3_offload", "moe_ep2_pp2_1f1b", "moe_ep8",
         "moe_ep4_capacity", "moe_ep4_x2_zero3")),
     "test_bf16.py::test_bf16_deepseek_matches_one_device",
     "test_bf16.py::test_bf16_dense_layers_between_moe_ones_match_one_device",
-    # FP8: kept is data x tensor+SP; context: the ring, its tiles, with tensor+SP+ZeRO-3, Ulysses;
+    # FP8: kept is data x tensor+SP; context: the ring over 4 in tiles, with tensor+SP+ZeRO-3,
+    # Ulysses (and against dense attention the ring over 4 and 8, its tiles over 4 and 2);
     # packed documents over the ring and Ulysses, and in the Pallas kernel; offloading with
-    # tensor+SP+ZeRO-3; HSDP with ZeRO-3 and accumulation; sampling and the latent cache on one
-    # layout each
+    # tensor+SP+ZeRO-3; HSDP with ZeRO-3 and accumulation; sampling (one device), greedy
+    # decoding over tensor 4, and the latent cache on one layout each
     *(f"test_fp8.py[{k}]" for k in ("dp2_pp2_tp2_1f1b", "zb_dp4_pp2_m4", "zero3_dp2_seq2_tp2_sp")),
     *(f"test_context.py[{k}]" for k in (
         "ulysses_dp2_pp2_seq2_1f1b", "pp2_tp2_seq2_chunked_loss", "dp2_pp2_seq2_zero1",
-        "dp2_tp2_seq2_chunked_loss", "ulysses_tp2_seq4_sp_zero3", "seq8")),
+        "dp2_tp2_seq2_chunked_loss", "ulysses_tp2_seq4_sp_zero3", "seq8", "dp4_seq2")),
+    "test_ring.py::test_tiled_ring_steps_equal_dense[2-8-False-False]",
+    "test_ring.py::test_ring_equals_dense[2]",
     # the ring's temporaries against seq 1, 2, 4, 8 (four compiles at 4096 tokens): kept is
     # test_estimate's "ring over seq 4", whose compiled bytes at real width the planner holds
     "test_context.py::test_activation_memory_falls_with_the_ring",
@@ -200,7 +220,8 @@ SLOW = (
     *(f"test_offload.py[{k}]" for k in (
         "offload_dots_dp4_seq2", "offload_dots_pp2_dp4", "offload_dp2_pp2_tp2_gpipe")),
     *(f"test_hsdp.py[{k}]" for k in ("hsdp_2x2_tp2_zero2", "hsdp_2x4_zero1", "hsdp_2x2_pp2_zero3")),
-    "test_generate.py::test_sampling_is_a_function_of_the_seed[one_device]",
+    "test_generate.py::test_sampling_is_a_function_of_the_seed[tensor4]",
+    "test_generate.py::test_greedy_equals_argmax_of_full_logits[one_device]",
     "test_deepseek.py::test_generation_caches_the_latent_and_equals_transformers_greedy[tensor4]",
 )
 TIERS = {"fast": FAST, "slow": SLOW}

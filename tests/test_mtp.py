@@ -30,7 +30,7 @@ from spmd3d.model import abstract_model
 from spmd3d.plan import Plan
 from spmd3d.step import canonical_state
 from test_convert import run_config, saved_random
-from test_deepseek import DEEPSEEK, HF, HF_MODELS, MLA
+from test_deepseek import DEEPSEEK, HF, HF_MODELS, MLA, deepseek_config
 
 MTP = ("model.mtp_layers=2", "model.mtp_loss_weight=0.3")
 LAYOUTS = {
@@ -63,17 +63,16 @@ def test_mtp_matches_one_device(name):
 
 def test_mtp_adds_its_weighted_loss_and_off_holds_nothing():
     """The step's loss is the main loss plus the weight times the depths' mean (`mtp_loss`,
-    from the probes); off, no `mtp` parameter exists and the loss is the main one alone."""
-    def first_metrics(cfg):
-        job = job_for(cfg)
-        return job.step_fn(start_state(cfg), job.global_batch(0))[1]
-
-    on, off_cfg = first_metrics(mtp_config()), small_config(micro=2, extra=MLA + DEEPSEEK)
-    off = first_metrics(off_cfg)
+    from the probes); off, no `mtp` parameter exists and the loss is the main one alone (the
+    step off is `test_deepseek`'s one-device reference; its metrics are read from its trace)."""
+    on_job, off_cfg = job_for(mtp_config()), deepseek_config()
+    on = on_job.step_fn(start_state(mtp_config()), on_job.global_batch(0))[1]
+    off_job = job_for(off_cfg)
+    off = jax.eval_shape(off_job.step_fn, off_job.abstract, off_job.global_batch(0))[1]
     assert "mtp_loss" in on and "mtp_loss" not in off
     assert on["mtp_moe_aux_loss"] is not None  # the depths' routers report apart
-    assert float(on["loss"]) == pytest.approx(float(off["loss"]) + 0.3 * float(on["mtp_loss"]),
-                                              rel=1e-5)
+    off_loss = reference_run(off_cfg)[0][0]
+    assert float(on["loss"]) == pytest.approx(off_loss + 0.3 * float(on["mtp_loss"]), rel=1e-5)
     assert not any(k.startswith("mtp/") for k in store.flat(abstract_model(
         Plan.resolve(off_cfg, jax.devices()[:1]).cfg.model)[1]))
 

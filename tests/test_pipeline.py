@@ -146,18 +146,6 @@ def test_layer_order_puts_chunk_k_on_stage_k_mod_p():
     assert Schedule(4, 8, 2).ticks == 19 and abs(Schedule(4, 8, 1).bubble - 3 / 11) < 1e-12
 
 
-def per_device_flops(layers, extra=(), unrolled=False, **kw):
-    """Per-device FLOPs of the step: its matmuls as the scanned program runs them
-    (`hlo.matmul_flops`: each loop body times its trips), or XLA's cost analysis of the program
-    traced with every loop unrolled."""
-    c = cfg(**kw, extra=[f"model.num_layers={layers}", *extra])
-    job = runtime.setup(c, devices_for(c))
-    if not unrolled:
-        return hlo.matmul_flops(job.compile()[0].as_text())
-    with manual.unrolled_loops():  # cost analysis counts a loop body once
-        return hlo.flops(job.compile()[0])
-
-
 @pytest.fixture(scope="module")
 def reference_8_layers():
     return reference_run(small_config(extra=["model.num_layers=8", "train.steps=1"]))[1]
@@ -281,10 +269,23 @@ def test_every_table_runs_each_operation_once_after_what_it_needs(kind, p, m, v)
     assert kept == Counter(range(m)), kept
 
 
-def stack_flops(**kw):
-    """Per-device FLOPs of 4 layers: the step with 8 layers less the step with 4 (what does not
-    depend on the depth -- embedding, head, loss, the optimizer's share -- cancels)."""
-    return per_device_flops(8, **kw) - per_device_flops(4, **kw)
+VOCAB = 384  # no other dimension of the bubble's steps has this size
+
+
+def stack_flops(extra=(), unrolled=False, **kw):
+    """Per-device FLOPs of a 4-layer stack. Read on the scanned program as it runs: the step's
+    dots less the head's and the loss's (`hlo.matmul_flops(without=VOCAB)`; the embedding and
+    the optimizer have none). With every loop unrolled: XLA's cost analysis (which counts a
+    loop body once) of the step with 8 layers less the step with 4, so that what does not
+    depend on the depth cancels."""
+    def compiled(layers):
+        c = cfg(**kw, extra=[f"model.num_layers={layers}", f"model.vocab_size={VOCAB}", *extra])
+        return runtime.setup(c, devices_for(c)).compile()[0]
+
+    if not unrolled:
+        return hlo.matmul_flops(compiled(4).as_text(), without=VOCAB)
+    with manual.unrolled_loops():
+        return hlo.flops(compiled(8)) - hlo.flops(compiled(4))
 
 
 @functools.cache
