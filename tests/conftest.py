@@ -7,10 +7,12 @@ assignment, the collectives -- and every comparison is between programs compiled
 0 compiles faster (a small 8-device step in 2.1-3.0 s against 3.2-4.3 s; `test_zero.py` and
 `test_equivalence.py` in 90 s against 101; jax 0.12.0.1, 2026-11-30), but at it `test_fp8.py`'s
 ZB-H1 layout fails: its one-device warm-up then reaches a state where ZB-H1's gradient of layer
-0's value projection is 1.75e-2 (L2) off one device's. The gradient programs are not what
-differs -- both compiled at level 1 from that state differ as much -- and from the state level
-1 reaches they agree to 1.5e-7: a difference of ZB-H1's FP8 backward that some states show, not
-explained yet.
+0's value projection is 1.75e-2 (L2) off one device's. That state sits on a step of FP8's
+rounding: one device's own gradients move by 2.4e-2 when its weights are nudged by 1e-7 (and
+ZB-H1's stay as far off with both gradient programs compiled at level 1). From the state level
+1 reaches, ZB-H1 agrees with one device to 1.5e-7, though a nudge there moves one device's
+`w_o` gradient by 4.1e-3, past the test's 3e-3: the FP8 test's bound holds at its state, not
+around it.
 
 One persistent compilation cache serves the whole session, its xdist workers and the processes
 tests start (a run resumed in a fresh process, the processes of a multi-host job, a notebook's
@@ -139,9 +141,12 @@ SLOW = (
     "test_search.py::test_search_cli_json_and_compile_top",
     "test_search.py::test_search_lays_out_the_configs_own_device_count",
     "test_search.py::test_search_lays_out_the_experts_too",
-    # the planner's layouts: kept are ZeRO-0 without remat, tensor+SP with the ring and ZeRO-3,
-    # the ring over 4, HSDP with the ring and accumulation, 4 stages of 1F1B, MoE with tensor+SP
+    # the planner's layouts: kept are tensor+SP with the ring and ZeRO-3, the ring over 4, 4
+    # stages of 1F1B, MoE with tensor+SP, a long sequence under tensor (and make test's drawn
+    # layouts); an MoE layer's expert-gradient sum is in make test-planner's draws 6 and 10 too
+    "test_estimate.py::test_an_moe_layers_expert_gradient_summed_over_the_tokens_is_counted",
     *(f"test_estimate.py[{k}]" for k in (
+        "zero0, remat none", "hsdp 2 x 2, seq 2, zero2, 2 accumulated",
         "moe, 16 experts, 1f1b, no remat", "moe, mtp, experts 2 x 2, tensor 2, zero3",
         "gpipe, mtp, tensor 2", "hsdp 2 x 2, gpipe 2, zero3", "moe, capacity, experts 4 x 2",
         "moe, experts 4 x 2, 2 accumulated", "gpipe, tensor 2 SP, remat stage",
@@ -189,21 +194,23 @@ SLOW = (
         "ds_ep2_ring2_tp2", "ds_ep4_tp2_sp_zero3", "ds_ep2_zb_h1_tp2_sp", "ds_ep2_1f1b_tp2")),
     # data x tensor: kept with ZeRO-1 and ZeRO-2 (zero1_dp4_tp2, zero2_dp4_tp2) and with SP
     *(f"test_equivalence.py[{k}]" for k in ("dp2_tp4", "dp4_tp2")),
-    # bfloat16: kept are data x tensor+SP, 1F1B with tensor and ZeRO-3 (ZeRO-3's gathers), MoE
-    # with experts and tensor+SP (the layout whose compile aborted)
+    # bfloat16: kept are data x tensor+SP, MoE with experts and tensor+SP (the layout whose
+    # compile aborted); in pipelines (GPipe, 1F1B, ZB-H1, MoE's 1F1B) and with ZeRO-3 here
     *(f"test_bf16.py[{k}]" for k in (
-        "dp8_zero3", "dp2_pp2_seq2_zb_h1", "dp8_zero1", "dp2_seq4_tiles2", "dp4_seq2",
+        "dp2_pp2_tp2_1f1b_zero3", "dp8_zero3", "dp2_pp2_seq2_zb_h1", "dp8_zero1", "dp2_seq4_tiles2", "dp4_seq2",
         "dp4_pp2_gpipe",
         "ulysses_dp2_tp2_seq2_sp", "hsdp2x2_tp2_zero3_offload", "moe_ep2_pp2_1f1b", "moe_ep8",
         "moe_ep4_capacity", "moe_ep4_x2_zero3")),
     "test_bf16.py::test_bf16_deepseek_matches_one_device",
     "test_bf16.py::test_bf16_dense_layers_between_moe_ones_match_one_device",
-    # FP8: kept is data x tensor+SP; context: the ring over 4 in tiles, with tensor+SP+ZeRO-3,
+    # FP8: kept is data x tensor+SP (the amaxes combined over data and tensor; over a pipeline's
+    # microbatches here); context: the ring over 4 in tiles, with tensor+SP+ZeRO-3,
     # Ulysses (and against dense attention the ring over 4 and 8, its tiles over 4 and 2);
     # packed documents over the ring and Ulysses, and in the Pallas kernel; offloading with
     # tensor+SP+ZeRO-3; HSDP with ZeRO-3 and accumulation; sampling (one device), greedy
     # decoding over tensor 4, and the latent cache on one layout each
     *(f"test_fp8.py[{k}]" for k in ("dp2_pp2_tp2_1f1b", "zb_dp4_pp2_m4", "zero3_dp2_seq2_tp2_sp")),
+    "test_fp8.py::test_amaxes_combine_by_max_over_a_pipelines_microbatches",
     *(f"test_context.py[{k}]" for k in (
         "ulysses_dp2_pp2_seq2_1f1b", "pp2_tp2_seq2_chunked_loss", "dp2_pp2_seq2_zero1",
         "dp2_tp2_seq2_chunked_loss", "ulysses_tp2_seq4_sp_zero3", "seq8", "dp4_seq2")),
