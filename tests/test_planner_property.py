@@ -2,7 +2,8 @@
 real widths, the analytic bytes a device needs are within 5 % of the compiled step's and never
 more than 3 % under them (an estimate that is low sends a job out of memory).
 
-`make test` compiles a fixed sample of draws (SAMPLE); `make test-planner` a larger one, of
+`make test` compiles a fixed sample of draws (SAMPLE, less the two `conftest.py` leaves to
+`make test-slow`); `make test-planner` a larger one, of
 `PLANNER_DRAWS` seeds (default 24) from `PLANNER_SEED` (default 1):
 
     PLANNER_DRAWS=40 .venv/bin/python -m pytest -q -s tests/test_planner_property.py -k drawn
