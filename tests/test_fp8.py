@@ -8,8 +8,13 @@ other way. Measured at a state with amax histories (three steps in): each gradie
 layout differs from one device's by 2e-4 to 9e-4 relative (L2), and one device's own
 gradients move by as much (5e-4 to 1e-3) when its weights are perturbed by 1e-7. So:
 - the loss, and every amax the step learns, are equal (1e-5; the amaxes exactly);
-- each gradient leaf within 3e-3 relative (L2); skipping a quantization or taking a wrong
-  scale is an error of several percent;
+- each gradient leaf within 3e-3 relative (L2), at a state off the steps of FP8's rounding;
+  skipping a quantization or taking a wrong scale is an error of several percent. Some states
+  sit on a step: measured with jax 0.12.0.1, one device's `w_qkv` gradient moves by 2e-2 to
+  4e-2 under a 1e-7 nudge after 3 or 4 steps (at LLVM levels 0 and 1 alike), and by 3e-4 to
+  1e-3 after 5, 6 or 7, depending on the level. So the gradients are compared at the first
+  state from `WARM` steps on where two nudges move no leaf of one device's by more than 1e-3
+  (`QUIET`): there a layout that differs by more does so by its own error, not by a tie;
 - at the fresh state (unit scales) every gradient to 1e-5 of its largest value, but for the
   leaves that a tie reaches, held to the same 3e-3 (L2). Ties are rarer there, not absent:
   the data is the embedded corpus, Python's own library, so they come with the Python version.
@@ -43,7 +48,9 @@ from spmd3d.step import reorder
 from spmd3d.store import flat
 
 FP8 = ["model.fp8=delayed", "model.fp8_emulate=true", "model.fp8_history=16"]
-WARM = 3  # steps of one-device training before the gradients are compared
+WARM = 3  # steps of one-device training at least before the gradients are compared
+QUIET = 1e-3  # the most a 1e-7 nudge may move one device's gradient leaf at that state (L2)
+STEPS = 9  # one-device steps run: the 5 whose losses the layouts match, and states to choose
 
 LAYOUTS = {
     "dp4_tp2_sp": dict(data=4, tensor=2, sp=True),
@@ -182,15 +189,14 @@ def test_refused_where_fp8_gemms_cannot_run_unless_emulated():
 
 
 # ----------------------------------------------------------------------------------- layouts
-def _host_state(c, steps, keep=None):
-    """(per-step losses, host copy of the state after `keep` (default: all) of `steps`
-    steps) of `c`."""
-    job, state, losses, kept = job_for(c), start_state(c), [], None
+def _host_states(c, steps):
+    """(per-step losses, host copies of the state after each of `steps` steps) of `c`."""
+    job, state, losses, kept = job_for(c), start_state(c), [], []
     for s in range(steps):
         state, metrics = job.step_fn(state, job.global_batch(s))
         losses.append(float(metrics["loss"]))
-        if s + 1 == (keep or steps):  # a copy: the next step donates the state's buffers
-            kept = jax.tree.map(np.array, jax.device_get(state))
+        # a copy: the next step donates the state's buffers
+        kept.append(jax.tree.map(np.array, jax.device_get(state)))
     return np.array(losses), kept
 
 
@@ -211,23 +217,51 @@ def _grads_at(c, host_state, step=WARM):
     return float(loss), grads, amaxes
 
 
+def _nudged(state, seed: int, eps: float = 1e-7):
+    """`state` with each float32 weight (not FP8's histories) scaled by 1 + eps * N(0, 1)."""
+    rng = np.random.default_rng(seed)
+
+    def nudge(path, a):
+        if a.dtype != np.float32 or "fp8" in jax.tree_util.keystr(path):
+            return a
+        return (a * (1 + eps * rng.standard_normal(a.shape))).astype(np.float32)
+
+    return state._replace(params=jax.tree_util.tree_map_with_path(nudge, state.params))
+
+
+def _quiet(states):
+    """(steps taken, that state, its gradients): the first of `states` (one per step) from
+    `WARM` steps on where nudging the weights by 1e-7 moves no gradient leaf of one device's
+    by more than `QUIET` (L2, relative), in either of two draws."""
+    for step in range(WARM, len(states) + 1):
+        state = states[step - 1]
+        at = _grads_at(cfg(), state, step=step)
+        moved = max(np.linalg.norm(g[k] - at[1][k]) / np.linalg.norm(at[1][k])
+                    for g in (_grads_at(cfg(), _nudged(state, seed), step=step)[1]
+                              for seed in (1, 2)) for k in g if "fp8/" not in k)
+        if moved <= QUIET:
+            return step, state, at
+    raise AssertionError(f"every state from {WARM} to {len(states)} steps sits on a step of "
+                         "FP8's rounding")
+
+
 @pytest.fixture(scope="module")
 def reference():
-    losses, warm = _host_state(cfg(), 5, keep=WARM)
-    return losses, warm, _grads_at(cfg(), warm)
+    losses, states = _host_states(cfg(), STEPS)
+    return (losses, *_quiet(states))
 
 
 @pytest.mark.parametrize("name", by_layout(LAYOUTS))
 def test_layouts_give_one_devices_fp8_numbers(reference, name):
-    ref_losses, warm, (ref_loss, ref_grads, ref_amax) = reference
+    ref_losses, step, warm, (ref_loss, ref_grads, ref_amax) = reference
     c = cfg(**LAYOUTS[name])
-    losses, _ = _host_state(c, 5)
-    assert job_for(c).mesh.size == 8 and ref_losses[-1] < ref_losses[0] - 0.5
-    assert max_rel_diff(losses, ref_losses) < 1e-3, (losses, ref_losses)
+    losses, _ = _host_states(c, 5)
+    assert job_for(c).mesh.size == 8 and ref_losses[4] < ref_losses[0] - 0.5
+    assert max_rel_diff(losses, ref_losses[:5]) < 1e-3, (losses, ref_losses)
 
     h = warm.params["blocks"]["attn"]["fp8"]["history"]
-    assert np.all(h[..., :WARM] > 0) and not np.any(h[..., WARM:])  # the histories fill up
-    loss, grads, amax = _grads_at(c, warm)
+    assert np.all(h[..., :step] > 0) and not np.any(h[..., step:])  # the histories fill up
+    loss, grads, amax = _grads_at(c, warm, step=step)
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert grads.keys() == ref_grads.keys() and amax.keys() == ref_amax.keys() and amax
     for k, a in amax.items():
@@ -253,12 +287,12 @@ def test_amaxes_combine_by_max_over_a_pipelines_microbatches(reference):
     """1F1B over 4 microbatches on data 2: each amax the step learns (each layer's, each
     projection's, each tensor's) is the largest of the amaxes one device sees on each
     microbatch alone, not their sum nor the last one."""
-    _, warm, _ = reference
+    _, step, warm, _ = reference
     c = cfg(**LAYOUTS["dp2_pp2_tp2_1f1b"])
-    _, _, piped = _grads_at(c, warm)
+    _, _, piped = _grads_at(c, warm, step=step)
     m = c.train.microbatches
     one = cfg(extra=[f"train.global_batch={c.train.global_batch // m}"])
-    tokens = np.asarray(job_for(c).global_batch(WARM))
+    tokens = np.asarray(job_for(c).global_batch(step))
     each = {k: [] for k in piped}
     for mb in np.asarray(microbatches(tokens, m)):
         job = job_for(one)
