@@ -269,7 +269,7 @@ def test_every_table_runs_each_operation_once_after_what_it_needs(kind, p, m, v)
     assert kept == Counter(range(m)), kept
 
 
-VOCAB = 384  # no other dimension of the bubble's steps has this size
+VOCAB = 384  # no other dimension of the bubble's steps has this size (`stack_flops` checks)
 
 
 def stack_flops(extra=(), unrolled=False, **kw):
@@ -283,7 +283,14 @@ def stack_flops(extra=(), unrolled=False, **kw):
         return runtime.setup(c, devices_for(c)).compile()[0]
 
     if not unrolled:
-        return hlo.matmul_flops(compiled(4).as_text(), without=VOCAB)
+        text = compiled(4).as_text()
+        stack = hlo.matmul_flops(text, without=VOCAB)
+        if "stage" not in kw:  # what is left out is the head's dots alone: its forward and
+            # both gradients, on every token (so no dot of the layers has a dim of VOCAB)
+            c = cfg(**kw)
+            head = 6 * c.train.global_batch * c.train.seq_len * c.model.d_model * VOCAB
+            assert hlo.matmul_flops(text) - stack == head, (hlo.matmul_flops(text) - stack, head)
+        return stack
     with manual.unrolled_loops():
         return hlo.flops(compiled(8)) - hlo.flops(compiled(4))
 
