@@ -289,7 +289,8 @@ def stack_flops(extra=(), unrolled=False, **kw):
             # both gradients, on every token (so no dot of the layers has a dim of VOCAB)
             c = cfg(**kw)
             head = 6 * c.train.global_batch * c.train.seq_len * c.model.d_model * VOCAB
-            assert hlo.matmul_flops(text) - stack == head, (hlo.matmul_flops(text) - stack, head)
+            left_out = hlo.matmul_flops(text) - stack
+            assert left_out == head, (left_out, head)
         return stack
     with manual.unrolled_loops():
         return hlo.flops(compiled(8)) - hlo.flops(compiled(4))
