@@ -2,8 +2,8 @@
 
 | kind      | when                                          | what runs                           |
 |-----------|-----------------------------------------------|-------------------------------------|
-| `blocked` | the whole sequence on each device             | `causal_attention`: pure JAX,       |
-|           |                                               | block-causal, fp32 softmax          |
+| `blocked` | the whole sequence on each device             | `causal_attention`: pure JAX flash  |
+|           |                                               | tiles (the ring's code, ring of 1)  |
 | `cudnn`   | the whole sequence; a GPU, bf16/fp16, head    | `fused_attention`: cuDNN flash      |
 |           | dim a multiple of 8 and <= 128 (256: Hopper)  | attention (jax.nn)                  |
 | `pallas`  | as cudnn, with packed documents; head dim a   | `flash_attention`: jax's Pallas-    |
@@ -45,6 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .flash import tile_size
 from .manual import per_device
 from .ring import TILE, gathered_attention_local, ring_attention, ring_attention_local
 from .ring import working as ring_working
@@ -63,48 +64,28 @@ FUSED = "cudnn"
 INTERPRET = False
 
 
-def query_blocks(t: int, block: int = 64) -> int:
-    """How many query blocks `causal_attention` splits a length-t sequence into."""
-    block = max(block, t // 8)  # at most 8 query blocks: compile time grows with the count
-    return t // block if t % block == 0 and t > block else 1
-
-
-def computed_fraction(t: int) -> float:
-    """The share of the full T x T score matrix that `causal_attention` computes: the blocks
-    on and below the diagonal, (n + 1) / 2n of n x n (0.5 is the causal half itself)."""
-    n = query_blocks(t)
+def computed_fraction(t: int, tile: int = TILE) -> float:
+    """The share of the full T x T score matrix that `causal_attention` computes: its score
+    tiles on and below the diagonal, (n + 1) / 2n of n x n tiles (0.5 is the causal half
+    itself; 1 for one tile, which is scored whole and masked)."""
+    n = t // tile_size(t, tile)
     return (n + 1) / (2 * n)
 
 
-def causal_attention(q_btkgh, k_bskh, v_bskh, block: int = 64, segments=None):
-    """Causal GQA attention; scores and softmax in fp32. -> out[B, T, K, G, H].
-
-    Query block i only looks at key blocks 0..i: the blocks above the diagonal, entirely
-    masked, are never computed (about half the score FLOPs and memory at long T). Each query
-    block's softmax runs over its whole key prefix, so the result equals dense attention.
-    `segments`[B, T]: a document id per position; a query sees its own document's keys only.
-    """
+def causal_attention(q_btkgh, k_bskh, v_bskh, segments=None, tile: int = TILE):
+    """Causal GQA attention in pure JAX, flash style: the ring's per-device code on a ring of
+    one (`ring.py`), so score tiles of at most `tile` x `tile` (`flash.py`), an online
+    softmax in fp32 forward, the probabilities recomputed per tile from the saved log-sum-exp
+    backward, and a custom VJP that keeps q, k, v, the output and the rows' log-sum-exp, never
+    the scores: memory linear in T. Tiles above the diagonal are skipped (by position: by
+    document would ask the whole batch, a collective per tile). `segments`[B, T]: a
+    document id per position; a query sees its own document's keys only."""
     t = q_btkgh.shape[1]
-    n = query_blocks(t, block)
-    size, scale = t // n, q_btkgh.shape[-1] ** -0.5
-    # a key block's gradient sums over the query blocks that read it; slicing fp32 copies
-    # makes that sum fp32 (in bf16, XLA:CPU converts to fp32 and back around every add)
-    dtype = k_bskh.dtype
-    k_all, v_all = (k_bskh, v_bskh) if n == 1 else (k_bskh.astype(jnp.float32),
-                                                     v_bskh.astype(jnp.float32))
-    outs = []
-    # a split, not slices: its transpose is one concatenate, not pads and adds
-    for i, q in enumerate(jnp.split(q_btkgh, n, axis=1)):
-        k = k_all[:, : (i + 1) * size].astype(dtype)
-        v = v_all[:, : (i + 1) * size].astype(dtype)
-        s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-        mask = jnp.arange(size)[:, None] + i * size >= jnp.arange((i + 1) * size)[None, :]
-        if segments is not None:
-            seg_q, seg_k = segments[:, i * size:(i + 1) * size], segments[:, :(i + 1) * size]
-            mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
-        p = jax.nn.softmax(jnp.where(mask, s * scale, -jnp.inf), axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgts,bskh->btkgh", p, v))
-    return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
+    if t % 2:  # the ring's code halves the sequence: one more position, seen by no query
+        q_btkgh, k_bskh, v_bskh, segments = (
+            None if x is None else jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2))
+            for x in (q_btkgh, k_bskh, v_bskh, segments))
+    return ring_attention_local(q_btkgh, k_bskh, v_bskh, None, 1, segments, tile)[:, :t]
 
 
 def cached_attention(q_btkgh, k_bskh, v_bskh, positions_bt, scale: float | None = None):
@@ -172,10 +153,13 @@ def _per_device(kernel, q, k, v, segments):
     return shards(kernel, (qs, ks, ks, shards.spec()), qs, check_vma=False)(q, k, v, segments)
 
 
-# the per-device kernels Ulysses runs on the whole sequence of its heads
-LOCAL = {"blocked": lambda q, k, v, ids: causal_attention(q, k, v, segments=ids),
-         "cudnn": lambda q, k, v, ids: fused_attention(q, k, v, segments=ids),
-         "pallas": lambda q, k, v, ids: _pallas(q, k, v, ids)}
+def whole(kind: str, tile: int = TILE):
+    """The kernel `(q, k, v, segments) -> out` of `kind` (blocked, cudnn, pallas) over the
+    whole sequence on one device: what Ulysses runs on its heads; `tile`: the blocked
+    kernel's."""
+    return {"blocked": lambda q, k, v, ids: causal_attention(q, k, v, ids, tile),
+            "cudnn": lambda q, k, v, ids: fused_attention(q, k, v, segments=ids),
+            "pallas": lambda q, k, v, ids: _pallas(q, k, v, ids)}[kind]
 
 
 def choose(requested: str, *, platform: str, dtype: str, head_dim: int, seq: int,
@@ -255,17 +239,15 @@ def _why_not_pallas(*, head_dim, seq, seq_len, stage=1, **rest):
 
 
 def working(kind: str, *, heads: float, kv_heads: float, head_dim: int, seq_len: int, seq: int,
-            itemsize: int, tile: int = TILE) -> float:
+            itemsize: int, tile: int = TILE, score_bytes: float | None = None) -> float:
     """Bytes per token of one device that kernel `kind`'s backward holds beyond its layer's
-    residuals, for the planner: the blocked kernel the fp32 gradient of the scores it kept
-    (`computed_fraction` of T x T a head), the ring's and the gather's their score tiles
-    (`ring.working`, tiles of `tile`), a flash kernel (cudnn, pallas) nothing. `heads`,
+    residuals, for the planner: the blocked kernel, the ring and the gather their score tiles
+    (`ring.working`, tiles of `tile`; the blocked kernel is the ring's code on a ring of one),
+    a fused flash kernel (cudnn, pallas) nothing. `heads`,
     `kv_heads`: on the device; `seq`: the degree that splits the sequence."""
-    if kind == "blocked":
-        return heads * seq_len * computed_fraction(seq_len) * 4
-    if kind in SPLIT:
+    if kind == "blocked" or kind in SPLIT:
         return ring_working(heads, kv_heads * head_dim, head_dim, seq_len // seq, seq, itemsize,
-                            gathered=kind == "gather", tile=tile)
+                            gathered=kind == "gather", tile=tile, score_bytes=score_bytes)
     return 0.0
 
 
@@ -278,7 +260,7 @@ def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
     `tile`: the ring's and the gather's score tiles' side at most (`model.attention_tile`);
     `local`: the kernel Ulysses runs on the whole sequence of its heads."""
     if kind == "blocked":
-        return lambda q, k, v, segments=None: causal_attention(q, k, v, segments=segments)
+        return lambda q, k, v, segments=None: causal_attention(q, k, v, segments, tile)
     if kind == "cudnn":
         return lambda q, k, v, segments=None: fused_attention(q, k, v, segments=segments)
     if kind == "pallas":
@@ -286,7 +268,7 @@ def select(kind: str, axis: str | None = None, mesh=None, manual: bool = False,
     if kind not in SPLIT:
         raise ValueError(f"unknown attention kind {kind!r} (known: {', '.join(KINDS)})")
     if kind == "ulysses":
-        n, inner = mesh.shape[axis], LOCAL[local]
+        n, inner = mesh.shape[axis], whole(local, tile)
         if manual:
             return lambda q, k, v, segments=None: ulysses_local(q, k, v, axis, n, inner, segments)
         return lambda q, k, v, segments=None: _per_device(

@@ -33,12 +33,24 @@ TILE = 1024  # queries and keys a score tile spans at most (`tile_size`)
 class Visible(NamedTuple):
     """Which keys each query of a block sees: causal by global positions `pos_q`[T] >=
     `pos_k`[S] (None: all), and of one document by ids `seg_q`[B, T] == `seg_k`[B, S] (None:
-    no documents). Tiles of it go with the queries' and keys' tiles (`_tile_views`)."""
+    no documents). Tiles of it go with the queries' and keys' tiles (`_tile_views`).
+    `by_documents`: a tile that no query sees for the documents is skipped too, which asks
+    all of the batch: per device only (in a shard_map), else a collective per tile."""
 
     pos_q: jax.Array | None = None
     pos_k: jax.Array | None = None
     seg_q: jax.Array | None = None
     seg_k: jax.Array | None = None
+    by_documents: bool = True
+
+    def tile(self, pos_q, pos_k, seg_q, seg_k) -> "Visible":
+        return Visible(pos_q, pos_k, seg_q, seg_k, self.by_documents)
+
+    def seen(self):
+        """Whether any query sees any key (a tile is skipped where not)."""
+        if self.by_documents:
+            return jnp.any(self.mask())
+        return jnp.any(self.pos_q[:, None] >= self.pos_k[None, :])
 
     def mask(self):
         """[B or 1, 1, 1, T, S] booleans, or None when every key is seen."""
@@ -115,12 +127,13 @@ def _tied(vis: Visible, q):
     differentiated are computed once in the forward and saved for the backward: every tile's
     mask (and, behind a `cond` on it, every tile's scores) stacked whole, the very T x T this
     module avoids. Tied to q, they are recomputed per tile like everything else."""
-    return jax.lax.optimization_barrier((vis, q))
+    arrays, q = jax.lax.optimization_barrier((tuple(vis[:4]), q))
+    return Visible(*arrays, vis.by_documents), q
 
 
 def _skippable(vis: Visible, tiled: bool) -> bool:
     """Whether a tile may see no key at all: with documents, or causal and tiled."""
-    return vis.seg_q is not None or (tiled and vis.pos_q is not None)
+    return (vis.seg_q is not None and vis.by_documents) or (tiled and vis.pos_q is not None)
 
 
 def attend(q, k, v, scale, vis: Visible, tile: int = TILE):
@@ -135,7 +148,7 @@ def attend(q, k, v, scale, vis: Visible, tile: int = TILE):
         mask = vis_ij.mask()
         if not _skippable(vis_ij, tiled):
             return merge(acc, tile_fwd(q_i, k_j, v_j, scale, mask))
-        return jax.lax.cond(jnp.any(mask), lambda a: merge(a, tile_fwd(q_i, k_j, v_j, scale,
+        return jax.lax.cond(vis_ij.seen(), lambda a: merge(a, tile_fwd(q_i, k_j, v_j, scale,
                                                                           mask)),
                             lambda a: a, acc)
 
@@ -155,7 +168,7 @@ def attend(q, k, v, scale, vis: Visible, tile: int = TILE):
 
         def over_keys(acc, kargs):
             k_j, v_j, pk_j, sk_j = kargs
-            return one(acc, q_i, k_j, v_j, Visible(pq_i, pk_j, sq_i, sk_j)), None
+            return one(acc, q_i, k_j, v_j, vis.tile(pq_i, pk_j, sq_i, sk_j)), None
 
         return jax.lax.scan(over_keys, first, (_tiles(k, 1, sk), _tiles(v, 1, sk), pk, segk),
                             unroll=unroll())[0]
@@ -192,7 +205,7 @@ def attend_bwd(q, k, v, do, lse, delta, scale, vis: Visible, tile: int = TILE):
         if not _skippable(vis_ij, tiled):
             return grads(None)
         none = lambda _: tuple(_like(x.shape, axes) for x in (q_i, k_j, v_j))  # noqa: E731
-        return jax.lax.cond(jnp.any(mask), grads, none, None)
+        return jax.lax.cond(vis_ij.seen(), grads, none, None)
 
     if not tiled:
         return one(q, k, v, do, lse, delta, vis)
@@ -206,7 +219,7 @@ def attend_bwd(q, k, v, do, lse, delta, scale, vis: Visible, tile: int = TILE):
         def over_queries(dkv, qargs):
             q_i, do_i, lse_i, delta_i, pq_i, sq_i = qargs
             dq_i, dk_j, dv_j = one(q_i, k_j, v_j, do_i, lse_i, delta_i,
-                                   Visible(pq_i, pk_j, sq_i, sk_j))
+                                   vis.tile(pq_i, pk_j, sq_i, sk_j))
             return (dkv[0] + dk_j, dkv[1] + dv_j), dq_i
 
         first = (_like(k_j.shape, axes), _like(v_j.shape, axes))

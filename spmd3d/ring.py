@@ -57,9 +57,10 @@ def _positions(t, i, n):
 
 
 def _own(seg, t, i, n) -> Visible:
-    """A device's queries against its own keys (step 0): causal, and within documents."""
+    """A device's queries against its own keys (step 0): causal, and within documents; on a
+    ring of one (the blocked kernel, outside any shard_map) tiles skipped by position only."""
     pos = _positions(t, i, n)
-    return Visible(pos, pos, seg, seg)
+    return Visible(pos, pos, seg, seg, by_documents=n > 1)
 
 
 def _early(seg_q, seg_k) -> Visible:
@@ -113,11 +114,16 @@ def _seg(blocks):
     return blocks[2] if len(blocks) > 2 else None
 
 
+def _index(axis, n):
+    """This device's place on the ring; 0 on a ring of one, which needs no axis."""
+    return 0 if n == 1 else jax.lax.axis_index(axis)
+
+
 def _forward(q, k, v, seg, axis, n, gather=False, tile=TILE):
-    i = jax.lax.axis_index(axis)
+    i = _index(axis, n)
     scale = q.shape[-1] ** -0.5
     # the first shift in flight meanwhile
-    first, step = _sources(_blocks(k, v, seg), axis, n, gather)
+    first, step = _sources(_blocks(k, v, seg), axis, n, gather) if n > 1 else (None, None)
     acc = attend(q, k, v, scale, _own(seg, q.shape[1], i, n), tile)
 
     def body(carry, j):
@@ -156,7 +162,7 @@ def _step_grads(q, k, v, do, lse, delta, seg_q, seg_k, src, i, scale, grads, til
 
 
 def _backward(q, k, v, seg, out, lse, do, axis, n, gather=False, tile=TILE):
-    i = jax.lax.axis_index(axis)
+    i = _index(axis, n)
     scale = q.shape[-1] ** -0.5
     delta = jnp.moveaxis(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 3)  # [B,K,G,T]
     dq, dk, dv = attend_bwd(q, k, v, do, lse, delta, scale, _own(seg, q.shape[1], i, n), tile)
@@ -269,7 +275,7 @@ def ring_attention(q, k, v, axis: str, mesh, segments=None, tile: int = TILE):
 
 
 def working(heads: float, kv: float, head_dim: int, local: int, ring: int, itemsize: int,
-            gathered: bool, tile: int = TILE) -> float:
+            gathered: bool, tile: int = TILE, score_bytes: float | None = None) -> float:
     """Bytes per local token that this module's kernels hold in a layer's backward beyond the
     layer's residuals, for the planner (`plan.memory`): one score tile at a time (the largest
     is step 0's, `tile` x `tile` or the local length) with its fp32 probabilities and gradient
@@ -277,7 +283,7 @@ def working(heads: float, kv: float, head_dim: int, local: int, ring: int, items
     (ZB-H1's kernel), the sequence's K and V with their fp32 gradients. `heads`: query heads
     on the device, `kv`: its kv heads x head dim, `local`: its tokens of a sequence."""
     side = tile_size(local, tile)
-    held = heads * side * side / local * (2 * 4 + itemsize)
+    held = heads * side * side / local * (score_bytes or 2 * 4 + itemsize)
     if side < local:
         held += heads * head_dim * 4
     if gathered:

@@ -80,7 +80,8 @@ class ModelConfig:
                                  "documents, else cudnn; blocked elsewhere), blocked (pure "
                                  "JAX), cudnn (cuDNN flash attention) or pallas (Pallas-Triton "
                                  "flash attention with document ids)")
-    attention_tile: int = doc(1024, "the ring's score tiles span at most this many tokens")
+    attention_tile: int = doc(1024, "the blocked kernel's and the ring's score tiles span at "
+                                    "most this many tokens")
     qk_norm: bool = doc(False, "RMSNorm on each query and key head before RoPE (Qwen3)")
     # multi-head latent attention (mla.py, DeepSeek-V2/V3): keys and values from one
     # compressed latent, a rotary key part shared by the heads; num_kv_heads = num_heads

@@ -10,8 +10,8 @@ out in its natural order (contiguous shards, no zig-zag): the local kernel is ca
 whole of it, and packed documents' ids are gathered over the axis once per layer pass.
 
 It needs the device's kv heads (after tensor parallelism) to divide by n, and it holds the
-local kernel's working set for the whole sequence: with a flash kernel (cuDNN, Pallas) that is
-linear in T; with the blocked kernel it is T x T per head, as without context parallelism.
+local kernel's working set for the whole sequence: linear in T with every kernel (cuDNN's and
+Pallas' flash kernels; the blocked kernel's score tiles), as without context parallelism.
 Each all-to-all moves (n - 1)/n of its operand, over the axis's group only: against the ring
 it moves q and the output too, but in two collectives per pass instead of n shifts, which
 is why it wins while the heads divide and the group is inside a node (Megatron's guidance).

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import devices_for, small_config
+from test_ring import dense
 
 from spmd3d import attention, config
 from spmd3d.attention import causal_attention, choose, fused_attention
@@ -116,7 +117,7 @@ def test_gathered_attention_is_causal_attention_over_the_whole_sequence():
     local = t // n  # [B, K, G, T_local, keys] scores: at most the device's own T_local keys
     scores = re.findall(rf"f32\[2,2,2,(\d+),(\d+)\]", step.lower(q, k, v).compile().as_text())
     assert scores and max(int(b) for _, b in scores) == local, set(scores)
-    want = jax.value_and_grad(lambda *a: loss(causal_attention, *a), argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

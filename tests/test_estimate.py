@@ -349,7 +349,6 @@ QUIRK_LAYOUTS = {
     "one_trip_loops_inlined": dict(seq=2, data=2, tensor=2),
     "reduce_inside_accumulation": dict(data=8, micro=2),
     "lookup_moves_cotangents": dict(data=8, zero=2),
-    "vjp_hands_over_more": dict(data=8),
     "fresh_stage_gradient": dict(data=2, stage=2, tensor=2, micro=2),
     "hsdp_reduces_whole": dict(data=8, zero=2, micro=2, extra=["mesh.replicate=2"]),
     "branch_buffers": dict(data=2, stage=2, tensor=2, micro=2,
@@ -357,7 +356,11 @@ QUIRK_LAYOUTS = {
     # (a vocabulary wide enough that the loss, not a layer's backward, is the peak)
     "head_gradient_fp32_copy": dict(data=8, extra=["model.dtype=bfloat16",
                                                    "model.vocab_size=1024"]),
-    "dot_operand_copies": dict(data=8),
+    # (few heads and a wide MLP: the MLP's phase of a layer's backward, not the attention's,
+    # the larger)
+    "dot_operand_copies": dict(data=8, extra=["model.num_heads=2", "model.num_kv_heads=2",
+                                              "model.d_ff=1024"]),
+    "score_copies": dict(data=8),
     "narrow_head_fp32_copy": dict(data=8, micro=2, extra=["model.dtype=bfloat16",
                                                           "model.vocab_size=32000"]),
 }
@@ -467,15 +470,14 @@ def test_deepseek_v3_preset_compiles_within_an_h800():
     of 4,096 in 120 microbatches), compiled at full size: at most 70 GB a device (an H800 has
     80), which it meets only with the tables outside the pipeline split over `stage` and the
     dense layers gathered once per layer (81.6 GB before); each device's expert weights
-    exactly all of them / (expert x stage); every axis's collectives within 5 % of the
-    compiled. The analytic memory is 0.90 of it, not within 5 %: the compiled temporaries
-    live at once peak at 42.7 GB, below the analytic 45.4, but XLA packs them into 51.7
-    (docs/deepseek.md); this holds the planner to that until it counts the packing."""
+    exactly all of them / (expert x stage); the analytic memory and every axis's collectives
+    within 5 % of the compiled."""
     r = plan_compile("configs/deepseek_v3_671b.yaml")
     assert r["needed_bytes"] <= 70e9
     m, k = r["mesh"], r["by_kind"]
     assert k["expert_weights"] * m["expert"] * m["stage"] == k["expert_weights_total"]
-    assert r["estimate_of_compiled"]["memory"]["needed_bytes"] >= 0.88 * r["needed_bytes"]
+    assert r["estimate_of_compiled"]["memory"]["needed_bytes"] == pytest.approx(
+        r["needed_bytes"], rel=0.05)
     analytic = r["estimate_of_compiled"]["collectives"]["result"]
     for axis, got in r["collective_bytes_per_axis"].items():
         assert analytic[axis] == pytest.approx(got, rel=0.05), axis

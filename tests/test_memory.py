@@ -14,9 +14,9 @@ from spmd3d import memory
 from spmd3d.api import Experiment
 
 ROOT = Path(__file__).resolve().parent.parent
-# a tiny model, a huge sequence: blocked attention's scores alone need ~70 GB at once
+# a tiny model, a batch of huge sequences: its activations need ~100 GB (the planner)
 HUGE_SEQ = ["model.num_layers=1", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=4",
-            "model.d_ff=128", "train.seq_len=65536", "train.global_batch=1", "mesh.data=1",
+            "model.d_ff=128", "train.seq_len=65536", "train.global_batch=256", "mesh.data=1",
             "mesh.tensor=1"]
 
 

@@ -1,5 +1,6 @@
-"""Block-causal and ring attention equal dense causal attention: outputs and gradients, GQA,
-seq = 2, 4, 8; the ring's steps in score tiles, with packed documents, and what a step holds."""
+"""The blocked kernel and ring attention equal dense causal attention: outputs and gradients,
+GQA, seq = 1 (the blocked kernel, the ring's code on a ring of one), 2, 4, 8; in score tiles,
+with packed documents, and what a step holds."""
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +22,15 @@ def inputs():
             jax.random.normal(kv, (B, T, K, H)), jax.random.normal(kw, (B, T, K, G, H)))
 
 
-def dense(q, k, v):
+def dense(q, k, v, segments=None):
     """jax's own causal attention (the XLA path: one [T, T] score matrix), an oracle that
     shares no code with the kernels under test; q[B, T, K, G, H] as K*G heads, each group of
-    G sharing one kv head, as jax groups them."""
+    G sharing one kv head, as jax groups them; `segments`[B, T]: document ids, a query sees
+    its own document's keys only."""
     b, t, kh, g, h = q.shape
-    out = jax.nn.dot_product_attention(q.reshape(b, t, kh * g, h), k, v, is_causal=True,
-                                       implementation="xla")
+    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+    out = jax.nn.dot_product_attention(q.reshape(b, t, kh * g, h), k, v, mask=mask,
+                                       is_causal=True, implementation="xla")
     return out.reshape(q.shape)
 
 
@@ -35,16 +38,22 @@ def rel_err(got, want):
     return float(np.max(np.abs(np.float32(got) - want)) / np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_block_causal_equals_dense(dtype, tol):
-    """Four query blocks each reading only its key prefix give dense attention's output and
-    gradients; in bf16, to bf16's precision (the gradients of k and v sum over blocks)."""
+@pytest.mark.parametrize("dtype,tol,tile,with_documents", [
+    (jnp.float32, 1e-5, T // 4, False), (jnp.bfloat16, 2e-2, T // 4, False),
+    (jnp.float32, 1e-5, T // 4, True), (jnp.float32, 1e-5, T, False)])
+def test_blocked_kernel_equals_dense(dtype, tol, tile, with_documents):
+    """The blocked kernel in score tiles of `tile` (4 x 4, those above the diagonal and of
+    other documents skipped; or one tile, masked) gives dense attention's output and
+    gradients, with packed documents too; in bf16, to bf16's precision (the gradients of k and
+    v sum over tiles)."""
     q, k, v, w = inputs()
-    blocked = lambda q, k, v: causal_attention(q, k, v, block=T // 4)  # noqa: E731
+    seg = documents(T) if with_documents else None
+    blocked = lambda q, k, v: causal_attention(q, k, v, seg, tile)  # noqa: E731
+    want = lambda q, k, v: dense(q, k, v, seg)  # noqa: E731
     loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w))  # noqa: E731
     low = [x.astype(dtype) for x in (q, k, v)]
-    assert rel_err(jax.jit(blocked)(*low), dense(q, k, v)) <= tol
-    g_want = jax.grad(loss(dense), (0, 1, 2))(q, k, v)
+    assert rel_err(jax.jit(blocked)(*low), want(q, k, v)) <= tol
+    g_want = jax.grad(loss(want), (0, 1, 2))(q, k, v)
     g_got = jax.jit(jax.grad(loss(blocked), (0, 1, 2)))(*low)
     for a, b in zip(g_got, g_want):
         assert a.dtype == dtype and rel_err(a, b) <= tol
@@ -69,12 +78,12 @@ def test_zigzag_order_balances_chunks():
 def test_ring_equals_dense(n):
     q, k, v, w = inputs()
     attend = jax.jit(ring(n))
-    want = causal_attention(q, k, v, block=T)
+    want = dense(q, k, v)
     got = attend(q, k, v)
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
     loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * w))  # noqa: E731
-    g_want = jax.grad(loss(lambda q, k, v: causal_attention(q, k, v, block=T)), (0, 1, 2))(q, k, v)
+    g_want = jax.grad(loss(dense), (0, 1, 2))(q, k, v)
     g_got = jax.jit(jax.grad(loss(attend), (0, 1, 2)))(q, k, v)
     for a, b in zip(g_got, g_want):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
@@ -91,8 +100,8 @@ def documents(t, seed=1):
 def test_tiled_ring_steps_equal_dense(n, tile, gather, with_documents):
     """A ring (or gather) step attended in score tiles of `tile` queries by `tile` keys (the
     local chunks are 32/n long: 2-8 tiles a side, tiles above the diagonal and of other
-    documents skipped) gives the blocked kernel's output and gradients, with packed
-    documents too."""
+    documents skipped) gives dense attention's output and gradients, with packed documents
+    too."""
     q, k, v, w = inputs()
     seg = documents(T) if with_documents else None
     order = zigzag_order(T, n)
@@ -113,7 +122,7 @@ def test_tiled_ring_steps_equal_dense(n, tile, gather, with_documents):
         return mapped(q[:, order], k[:, order], v[:, order], ids_z)[:, inverse]
 
     def want_f(q, k, v):
-        return causal_attention(q, k, v, block=T, segments=seg)
+        return dense(q, k, v, seg)
 
     loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * w))  # noqa: E731
     got, want = jax.jit(tiled)(q, k, v), want_f(q, k, v)

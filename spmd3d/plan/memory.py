@@ -11,10 +11,9 @@ Memory per device, by kind:
   (`residuals.py`: its vjp traced at one device's share, per remat policy and kernel) times
   the layer passes alive at the peak (`activation_bytes`: one microbatch without a pipeline,
   the schedule's slots or stash with one), plus the working set of the one layer whose backward
-  runs: what it recomputes, its projections' output cotangents, the scores a kernel that keeps
-  none computes again, the blocked kernel's fp32 gradient of the scores it kept (beyond what
-  the MLP recomputed, gone by then), and under ZeRO-2/3 the layer's weights and their gradient
-  whole over data (`layer_weights`);
+  runs: what it recomputes, its projections' output cotangents, the score tiles a pure-JAX
+  kernel (blocked, the ring) computes again, and under ZeRO-2/3 the layer's weights and their
+  gradient whole over data (`layer_weights`);
 * pipeline buffers, logits/loss and the layers ZeRO-3 gathers for a pipelined step
   (`working_terms`, which the compiled report's breakdown uses too).
 """
@@ -85,6 +84,11 @@ def microbatch_gradients(plan, whole: bool = False) -> int:
     if plan.schedule is not None or plan.accum_steps == 1:
         return 0
     layers = stage_layers(plan, plan.rules.grads)
+    deg = plan.degrees
+    if plan.cfg.model.is_moe and deg.replicas * deg.replicate * deg.seq == 1:
+        # the experts copied over no token axis: no sum over them, one gradient of theirs
+        # for the microbatch (`expert_gradients`)
+        layers -= stage_layers(plan, plan.rules.grads, keys=EXPERTS)
     embed = (plan.degrees.tensor > 1) * table_shard(plan, "embed")
     return ((not whole) * layers + embed + head_copy(plan)) * F32
 
@@ -184,8 +188,7 @@ def dense_activations(plan) -> int:
     policy = "full" if cfg.parallel.remat == "stage" or s is not None and \
         cfg.parallel.remat != "none" else cfg.parallel.remat
     split = plan.degrees.tensor if cfg.parallel.sequence_parallel else 1
-    kept = residuals.of(plan, dense=True).kept(policy, split,
-                                                xla_drops=applies("vjp_hands_over_more"))
+    kept = residuals.of(plan, dense=True).kept(policy, split)
     return int(m.dense_layers * (_slots(plan) if s is not None else 1)
                * plan.tokens_per_microbatch * kept)
 
@@ -212,7 +215,7 @@ def _keys_per_query(plan) -> float:
         return 0.0
     if plan.attention in ("ring", "gather"):  # a step scores a query against one device's keys
         return t / seq
-    return t * computed_fraction(t)
+    return t * computed_fraction(t, plan.cfg.model.attention_tile)
 
 
 def activation_bytes(plan) -> dict:
@@ -224,10 +227,9 @@ def activation_bytes(plan) -> dict:
     n = plan.tokens_per_microbatch
     layer = residuals.of(plan)
     split = deg.tensor if cfg.parallel.sequence_parallel else 1  # the stream under SP
-    drops = applies("vjp_hands_over_more")
 
     def kept(p):  # what autodiff keeps of a layer under policy p
-        return layer.kept(p, split, xla_drops=drops)
+        return layer.kept(p, split)
 
     layers, chunk = plan.layers_per_stage, plan.layers_per_chunk  # stored; one pass's
     # a pass that keeps its input alone: stage remat, and circular GPipe's recomputed stages
@@ -238,20 +240,23 @@ def activation_bytes(plan) -> dict:
             kept(policy) + layer.fixed_kept[policy] / n)) + cfg.model.mtp_layers * kept(inner)
     else:  # autodiff keeps every slot's pass (bubbles included), the others their stash
         passes = s.saved_passes
-        stash = kept if s.mode == "autodiff" else lambda p: layer.handed_over(p, split)
-        per_pass = kept("full") if whole else chunk * stash(inner)
+        per_pass = kept("full") if whole else chunk * kept(inner)
         # a stash also holds, per layer and pass, what the layer makes that does not grow
         # with the tokens (the experts' weights as used, a custom_vjp's residuals)
         if s.mode != "autodiff" and not whole:
             per_pass += chunk * layer.fixed[inner] / n
     # an offloading policy's residuals, in host memory: as many passes as the device's would be
     host = passes * (layers if s is None else chunk) * layer.on_host(inner, split) * n
-    # one layer's backward: what it recomputes (all it would keep under `none`, less what the
-    # policy kept), what its attention kernel holds on top (`_kernel_working`), and the
-    # projections' output cotangents
-    mlp = layer.kept("none", split, drops, True) - layer.kept(inner, split, drops, True)
-    working = (kept("none") - kept(inner) + layer.projection_outputs
-               + _kernel_working(plan, mlp_recomputed=mlp)) + mlp_operands(plan) / n
+    # one layer's backward, in two phases (the MLP's runs first): the MLP's holds all the layer
+    # recomputes (all it would keep under `none`, less what the policy kept) and the MLP's
+    # matmul operands; the attention's its own recompute and its kernel's working set
+    # (`_kernel_working`), the layer's MLP residuals let go of; both the projections' output
+    # cotangents and an offloading policy's residuals, back on the device
+    redo = kept("none") - kept(inner)
+    attention = (layer.kept("none", split, True) - layer.kept(inner, split, True)
+                 + _kernel_working(plan) - layer.kept(inner, split, False))
+    working = (layer.projection_outputs + layer.on_host(inner, split)
+               + max(redo + mlp_operands(plan) / n, attention))
     m = cfg.model
     if m.is_moe and s is not None and deg.tensor > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
@@ -281,20 +286,21 @@ def mlp_operands(plan) -> int:
     return ((1 + narrow) * plan.tokens_per_microbatch + narrow * m.d_model) * width * F32
 
 
-def _kernel_working(plan, mlp_recomputed: float) -> float:
+def _kernel_working(plan) -> float:
     """Bytes per token the attention kernel's backward holds beyond what its layer recomputes
-    (the kernel's own count, `attention.working`); the blocked kernel's fp32 gradient of the
-    scores it kept only beyond `mlp_recomputed` (what the MLP recomputed, let go of when its
-    backward, which runs first, is done)."""
+    (the kernel's own count, `attention.working`, with XLA:CPU's score tiles as compiled)."""
     from ..attention import working
 
     m, deg = plan.cfg.model, plan.degrees
     kind = plan.attention_local  # Ulysses': its kernel over the whole sequence
-    held = working(kind, heads=m.num_heads / deg.tensor, kv_heads=m.num_kv_heads / deg.tensor,
+    s = plan.schedule
+    mode = "alone" if s is None or s.mode == "switch" else s.mode  # ZB-H1's B runs alone
+    score = {"alone": 16, "autodiff": 12, "lockstep": 8}[mode]  # quirk `score_copies`
+    return working(kind, heads=m.num_heads / deg.tensor, kv_heads=m.num_kv_heads / deg.tensor,
                    head_dim=m.dim_per_head, seq_len=plan.cfg.train.seq_len,
                    seq=1 if plan.attention == "ulysses" else deg.seq,
-                   itemsize=itemsize(m.dtype), tile=m.attention_tile)
-    return max(0.0, held - mlp_recomputed) if kind == "blocked" else held
+                   itemsize=itemsize(m.dtype), tile=m.attention_tile,
+                   score_bytes=score if applies("score_copies") else None)
 
 
 def mtp_working(plan, kinds: dict) -> int:
@@ -333,7 +339,10 @@ def memory(plan) -> dict:
     sharded = plan.rules.grads_over_batch and plan.degrees.zero > 1
     embed = table_shard(plan, "embed")
     lockstep = bool(s and s.mode == "lockstep")
-    kinds["head_gradients"] = (sharded + 2 * lockstep) * head + \
+    # accumulating without a pipeline, a microbatch's whole one is reduce-scattered after its
+    # loss: in the loss's phase alone
+    loss_head = sharded * head if s is None and plan.accum_steps > 1 else 0
+    kinds["head_gradients"] = (sharded + 2 * lockstep) * head - loss_head + \
         m.mtp_layers * (head + embed * F32)
     kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
@@ -346,9 +355,12 @@ def memory(plan) -> dict:
                                          + kinds["microbatch_gradients"])
     deg = plan.degrees
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and deg.tensor > 1
-    if (s is None and plan.accum_steps == 1 and not sp and deg.seq == 1 and deg.batch > 1
-            and c < F32 and applies("head_gradient_fp32_copy")):
+    copy = (s is None and plan.accum_steps == 1 and not sp and deg.batch > 1 and c < F32
+            and applies("head_gradient_fp32_copy"))
+    if copy and deg.seq == 1:
         loss += head // F32 * (F32 - c)
+    elif copy and plan.attention == "ulysses":  # summed over seq too: held to the step's end
+        kinds["head_gradients"] += head
     kinds["w_stash"], kinds["mtp_working"] = 0, mtp_working(plan, kinds) if s is not None else 0
     if s is not None and s.mode == "switch":  # the W stash waits beside the branches
         kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
@@ -366,7 +378,7 @@ def memory(plan) -> dict:
         peak = max(loss + kinds["mtp_working"],
                    layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
     else:  # the loss's backward, one layer's, or the end of an MoE layer's
-        peak = max(loss, layer, expert_reduce(plan))
+        peak = max(loss + loss_head, layer, expert_reduce(plan))
     del kinds["w_stash_per_pass"]  # a factor, not a kind
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["gathered_tables"] + kinds["dense_activations"]

@@ -32,10 +32,6 @@ QUIRKS = {
     "lookup_moves_cotangents": Quirk(
         "any", "a lookup in an embedding split over data, without tensor parallelism, moves the "
         "tokens' cotangents and ids, not the table"),
-    "vjp_hands_over_more": Quirk(
-        "any", "jax.vjp of a layer hands over the blocked kernel's masks and masked scores (5 "
-        "bytes a score), which XLA recomputes when it schedules autodiff's backward itself; "
-        "1F1B and ZB-H1 stash what vjp hands over"),
     "fresh_stage_gradient": Quirk(
         "any", "autodiff of GPipe's slot loop hands back a fresh fp32 gradient of the stage's "
         "layers per slot, beside the accumulator"),
@@ -51,11 +47,17 @@ QUIRKS = {
         "cpu", "the loss's shard_map sums a narrow head gradient over data in fp32 "
         "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "
         "without SP, the ring, a pipeline or accumulated microbatches (there it reuses a "
-        "buffer live anyway)"),
+        "buffer live anyway); under Ulysses, summed over seq too, the copy is whole and held "
+        "to the step's end"),
     "dot_operand_copies": Quirk(
         "cpu", "a dense MLP's backward reads the gate and up projections' output cotangent "
                "in two layouts, one per matmul, each a copy of its own in fp32 (a narrow "
                "dtype's matmuls read fp32 copies of their operands, the weights' too)"),
+    "score_copies": Quirk(
+        "cpu", "a score tile's backward (the blocked kernel's, the ring's) holds the tile's "
+               "probabilities, their gradient, the scores' gradient and that in a second "
+               "layout for the keys' matmul, each in fp32 (16 bytes a score); in GPipe's "
+               "backward the last three (12), in 1F1B's tick beside the loss the first two (8)"),
     "narrow_head_fp32_copy": Quirk(
         "cpu", "in a narrow compute dtype the loss's dots read an fp32 copy of the head's "
                "shard: accumulating microbatches, made at a microbatch's start and held to "

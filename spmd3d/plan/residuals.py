@@ -9,11 +9,11 @@ their sizes are polynomials in it, and the difference between one row and two le
 with the tokens (the weights and the RoPE tables drop out). A layer whose code needs the count
 itself (the MoE layer's capacity) is traced at one row and at two. The kernels as traced:
 
-* blocked: `causal_attention` itself;
-* ring, gather: their per-device code (`ring.py`) under a named axis of the `seq` degree;
-* cudnn (no GPU here to trace it on): a flash kernel's contract -- it keeps q, k, v, its output
-  and fp32 row statistics, and no scores -- which is exactly what the ring's per-device code
-  keeps on one device, so that is what is traced.
+* blocked, ring, gather: their per-device code (`ring.py`; the blocked kernel is the ring's
+  on a ring of one) under a named axis of the `seq` degree;
+* cudnn, pallas (no GPU here to trace them on): a flash kernel's contract -- it keeps q, k, v,
+  its output and fp32 row statistics, and no scores -- which is exactly what the blocked
+  kernel keeps, so that is what is traced.
 
 Under sequence parallelism the residual stream is split over `tensor` (`res_length`): the
 norms run on it, and the row-parallel projections (those whose output is the model width) are
@@ -22,8 +22,7 @@ those projections' outputs (found by their `named_scope`s) is counted at 1/tenso
 the layer runs on the gathered sequence.
 
 The projections' outputs (`Ops.project`'s taps) are the cotangents a layer's backward holds at
-once, and with their inputs what a zero-bubble schedule's W waits for. What the MLP keeps (its
-`named_scope`) is tagged: its backward runs first and lets go of it before attention's starts.
+once, and with their inputs what a zero-bubble schedule's W waits for.
 
 Cached per distinct layer, so a search of thousands of layouts traces each a few times, and
 each remat policy's residuals when first asked for.
@@ -62,11 +61,10 @@ class Residual:
 
     nbytes: float
     stream: bool  # from the residual stream or a norm: split over tensor under SP
-    select: bool  # the output of a select (`jnp.where`): a mask, or values masked by one
-    mlp: bool = False  # made in the MLP (its `named_scope`): gone before attention's backward
     host: bool = False  # kept in host memory (an offloading policy's): no device bytes
     made: bool = True  # made by the layer (not one of its inputs: the weights as stored, x)
     experts: bool = False  # made in the MoE layer's experts (their `named_scope`)
+    attention: bool = False  # made in the layer's attention block (its `named_scope`)
 
 
 class _PerPolicy(dict):
@@ -100,25 +98,18 @@ class LayerBytes:
     # its weights XLA makes again where the backward's matmuls use them
     fixed_kept: dict
 
-    def handed_over(self, policy: str, tensor_split: int = 1) -> float:
-        """What `jax.vjp` hands over under `policy` in device memory: what 1F1B and ZB-H1
-        stash."""
-        return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
-                   if not r.host)
-
     def on_host(self, policy: str, tensor_split: int = 1) -> float:
         """What an offloading `policy` keeps in host memory instead (0 for the others)."""
         return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
                    if r.host)
 
-    def kept(self, policy: str, tensor_split: int = 1, xla_drops: bool = True,
-             mlp_only: bool = False) -> float:
-        """What autodiff's backward keeps in device memory under `policy` once XLA schedules
-        it itself: with quirk `vjp_hands_over_more` (`xla_drops`), it recomputes selects (the
-        blocked kernel's masks and masked scores) rather than keep them; `mlp_only`: of that,
-        the MLP's."""
+    def kept(self, policy: str, tensor_split: int = 1, attention: bool | None = None) -> float:
+        """What autodiff's backward keeps in device memory under `policy` (what `jax.vjp`
+        hands over, which 1F1B and ZB-H1 stash); `attention`: of it, what the attention
+        block makes (True) or the rest (False)."""
         return sum(r.nbytes / (tensor_split if r.stream else 1) for r in self.residuals[policy]
-                   if not (xla_drops and r.select) and (r.mlp or not mlp_only) and not r.host)
+                   if not r.host and attention in (None, r.attention)
+                   and (attention is not False or r.made))
 
 
 def of(plan, dense: bool = False) -> LayerBytes:
@@ -145,7 +136,6 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
     import numpy as np
     from flax import nnx
 
-    from ..attention import causal_attention
     from ..model import abstract_model
     from ..ops import Ops
     from ..ring import gathered_attention_local, ring_attention_local
@@ -155,8 +145,7 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
     axis = SEQ
     flash = lambda q, k, v, *_: ring_attention_local(q, k, v, axis, 1)  # noqa: E731
-    local = {"blocked": lambda q, k, v, *_: causal_attention(q, k, v), "cudnn": flash,
-             "pallas": flash}
+    local = {"blocked": flash, "cudnn": flash, "pallas": flash}
     attend = {**local,
               "ring": lambda q, k, v: ring_attention_local(q, k, v, axis, seq),
               "gather": lambda q, k, v: gathered_attention_local(q, k, v, axis, seq),
@@ -196,7 +185,8 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
     def per_token(policy):
         one, two = residuals(policy, 1), residuals(policy, 2)
-        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.select, a.mlp, a.host)
+        return tuple(Residual((b - a.nbytes) / tokens / ep, a.stream, a.host, a.made,
+                              attention=a.attention)
                      for a, (b) in zip(one, (r.nbytes for r in two)) if b > a.nbytes)
 
     def fixed(policy, experts=False):  # made by the layer, the same at any rows: per device
@@ -273,13 +263,10 @@ def _describe(jaxpr, at) -> list[Residual]:
         while eqn is not None and eqn.primitive.name in ("device_put", "name"):  # offloaded, named
             eqn = made.get(eqn.invars[0])  # its value: where it was made
         scopes = set(str(eqn.source_info.name_stack).split("/")) if eqn is not None else set()
-        select = eqn is not None and (eqn.primitive.name == "select_n" or str(
-            eqn.params.get("name", "")) == "_where")
         within = lambda name: any(c.endswith((name, f"({name})")) for c in scopes)  # noqa: E731
         out.append(Residual(float(at(aval.size) * aval.dtype.itemsize),
-                            stream=eqn is None or bool(scopes & stream_scopes), select=select,
-                            mlp=within("mlp"),
+                            stream=eqn is None or bool(scopes & stream_scopes),
                             host=str(getattr(aval, "memory_space", "")).endswith("Host"),
                             made=eqn is not None,
-                            experts=within("experts")))
+                            experts=within("experts"), attention=within("attention")))
     return out
