@@ -62,15 +62,18 @@ LONG = ["model.num_layers=1", "train.seq_len=4096", "train.global_batch=1", "mod
 
 
 def test_activation_memory_falls_with_the_ring():
-    """Per-device temporaries of the compiled step at 4096 tokens fall at least as 1/seq:
-    the ring never holds more than one local block of scores, and the backward recomputes
-    them instead of keeping the forward's."""
-    temp = {}
-    for n in (1, 2, 4, 8):
-        c = small_config(seq=n, extra=LONG)
-        temp[n] = hlo.memory(runtime.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
+    """A device of a ring over n needs what one device needs for its share of the sequence:
+    the compiled step's per-device temporaries at 4096 tokens over n are within 10 % of one
+    device's at 4096 / n tokens (the ring holds one score tile at a time, as one device's
+    kernel does, and recomputes the scores in the backward; the rest is its K/V blocks in
+    flight), and so fall with n."""
+    def temp(c):
+        return hlo.memory(runtime.setup(c, devices_for(c)).compile()[0])["temp_bytes"]
+
+    ring = {n: temp(small_config(seq=n, extra=LONG)) for n in (1, 2, 4, 8)}
     for n in (2, 4, 8):
-        assert temp[n] <= temp[1] / n, temp
+        alone = temp(small_config(extra=LONG + [f"train.seq_len={4096 // n}"]))
+        assert ring[n] <= 1.1 * alone and ring[n] < ring[n // 2], (n, ring, alone)
 
 
 def test_zigzag_ring_computes_about_half_the_blocks():
