@@ -20,12 +20,14 @@ rounded to bf16) and 5.6 u off the layouts, which were 1.5 u off fp32.
 
 Multi-token prediction's router (DeepSeek's shape, experts split 2 ways with tensor 2, SP, the
 ring and ZeRO-3) is noisier still: its gradient sits at the end of the main stack and of the
-depth's own, and one device's bf16 gradient is 31 u off fp32 (of its largest value), the
-layout's 34 u, the two 19 u apart; every other leaf of that layout is within 10 u of fp32 and
-6 u of one device. So where one device's bf16 gradient is itself farther from the fp32 truth
-than the bound, a layout may differ from it by half again that distance (`_check`'s `truth`):
-it must be about as close to the truth as one device is, never a leaf off by more than its own
-roundoff explains.
+depth's own. Of its largest value, one device's bf16 gradient is 19.7 u off fp32 (33.5 with
+the blocked kernel before its score tiles), the layout's 36.3 u, plain data parallelism over 8
+(no expert, tensor or ring) 32.5 u, and any of them with or without the ring or tensor 36-38
+u: its roundoff, not a layout's. Every other leaf of that layout is within 10 u of fp32 and 6
+u of one device. So where a layout differs from one device by more than the bound, it must be
+about as close to the fp32 truth as the bf16 runs whose only difference is roundoff are: within
+half again the farther of one device's and data parallelism's distance (`_check`'s `truth`),
+never a leaf off by more than its own roundoff explains.
 
 A gradient that a shard_map sums over a manual axis is summed in fp32 (`manual.vary`): in
 bf16 XLA:CPU's all-reduce-promotion pass aborted the compile (its reducer's root was the
@@ -156,7 +158,10 @@ def test_bf16_deepseek_matches_one_device(name):
         return cfg(extra=DEEPSEEK + list(extra), **kw)
 
     layout, model = DEEPSEEK_LAYOUTS[name]
-    truth = first_grads(deepseek(model + ["model.dtype=float32"]))[1] if name in GRADS else None
+    truth = None
+    if name in GRADS:  # the fp32 gradients, and plain data parallelism's in bf16
+        truth = (first_grads(deepseek(model + ["model.dtype=float32"]))[1],
+                 first_grads(deepseek(model, data=8))[1])
     _check(deepseek(**{**layout, "extra": layout["extra"] + model}),
            reference_run(deepseek(model)), name in GRADS, 8 * U, truth)
 
@@ -171,8 +176,9 @@ def test_bf16_dense_layers_between_moe_ones_match_one_device():
 
 
 def _check(c, reference, grads_too, bound, truth=None):
-    """`truth`: one device's fp32 gradients; a leaf whose one-device bf16 gradient is farther
-    from them than `bound` may differ from it by 1.5 times that distance (module docstring)."""
+    """`truth`: (one device's fp32 gradients, plain data parallelism's in bf16); a leaf that
+    differs from one device's bf16 gradient by more than `bound` must be within 1.5 times the
+    farther of the two bf16 runs' distance from the fp32 ones (module docstring)."""
     # first, before anything compiles: no gradient is summed over devices in bf16
     job = job_for(c)
     dtypes = reducer_dtypes(job)
@@ -185,7 +191,9 @@ def _check(c, reference, grads_too, bound, truth=None):
     if grads_too:
         assert abs(loss - ref_loss) / ref_loss < 1e-3 and grads.keys() == ref_grads.keys()
         for k, g in grads.items():
-            allowed = bound * np.max(np.abs(ref_grads[k]))
-            if truth is not None:
-                allowed = max(allowed, 1.5 * np.max(np.abs(ref_grads[k] - truth[k])))
-            assert np.max(np.abs(g - ref_grads[k])) <= allowed, k
+            if np.max(np.abs(g - ref_grads[k])) <= bound * np.max(np.abs(ref_grads[k])):
+                continue
+            assert truth is not None, k
+            fp32, plain = truth
+            noise = max(np.max(np.abs(x[k] - fp32[k])) for x in (ref_grads, plain))
+            assert np.max(np.abs(g - fp32[k])) <= 1.5 * noise, k
