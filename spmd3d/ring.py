@@ -281,7 +281,8 @@ def working(heads: float, kv: float, head_dim: int, local: int, ring: int, items
     is step 0's, `tile` x `tile` or the local length) with its fp32 probabilities and gradient
     and the copy a matmul reads; tiled, a key tile's pieces of dQ, stacked in fp32; gathered
     (ZB-H1's kernel), the sequence's K and V with their fp32 gradients. `heads`: query heads
-    on the device, `kv`: its kv heads x head dim, `local`: its tokens of a sequence."""
+    on the device, `kv`: its kv heads x head dim, `local`: its tokens of a sequence;
+    `score_bytes`: a score's bytes as a compiler holds them, if not this count's."""
     side = tile_size(local, tile)
     held = heads * side * side / local * (score_bytes or 2 * 4 + itemsize)
     if side < local:

@@ -84,13 +84,19 @@ def microbatch_gradients(plan, whole: bool = False) -> int:
     if plan.schedule is not None or plan.accum_steps == 1:
         return 0
     layers = stage_layers(plan, plan.rules.grads)
-    deg = plan.degrees
-    if plan.cfg.model.is_moe and deg.replicas * deg.replicate * deg.seq == 1:
-        # the experts copied over no token axis: no sum over them, one gradient of theirs
-        # for the microbatch (`expert_gradients`)
+    if plan.cfg.model.is_moe and not experts_copied(plan):
+        # no sum of the experts' gradient over copies: one of theirs for the microbatch
+        # (`expert_gradients`)
         layers -= stage_layers(plan, plan.rules.grads, keys=EXPERTS)
     embed = (plan.degrees.tensor > 1) * table_shard(plan, "embed")
     return ((not whole) * layers + embed + head_copy(plan)) * F32
+
+
+def experts_copied(plan) -> bool:
+    """Whether a token axis holds copies of each expert (data's replicas, HSDP's groups, seq),
+    over which the experts' gradient is summed (`manual.vary`)."""
+    deg = plan.degrees
+    return deg.replicas * deg.replicate * deg.seq > 1
 
 
 def expert_gradients(plan) -> int:
@@ -111,9 +117,9 @@ def expert_reduce(plan) -> int:
     sums the layer's fp32 gradient of the experts over the token axes the experts are copied
     on (`manual.vary`), the sum's input and its result alive together beside the gradients,
     once the layer's other working set is gone (seeds 6 and 10 of the planner's property)."""
-    m, deg = plan.cfg.model, plan.degrees
+    m = plan.cfg.model
     if not m.is_moe or plan.schedule is not None or expert_gradients(plan) or \
-            deg.replicas * deg.replicate * deg.seq == 1:
+            not experts_copied(plan):
         return 0
     stacked = param_shapes(m, len(plan.layer_order))[EXPERTS[0]][0][0]  # the MoE layers
     return 2 * stage_layers(plan, keys=EXPERTS) // stacked * F32
