@@ -40,17 +40,20 @@ class Executor:
     def grad_zeros(self):
         return zero_grads(self.stack, self.where.manual)
 
-    def done(self, **given) -> Done:
+    def done(self, held=None, **given) -> Done:
         """An operation's results, each varying as the buffer it goes to (a constant residual,
         as the gathered attention's key positions, is invariant); shaped by the buffers before
-        the loop, never by a carried one."""
+        the loop, never by a carried one. In a switch, a stash slot the operation does not
+        write is handed back as `held` it (`State.operands`), so that the slot is written
+        whatever the branch, without a second read of it to keep."""
         like = self.like
         buffers = dict(y=like.inbox.x, dx=like.inbox.x, residuals=like.stash.residuals,
                        inputs=like.stash.inputs, taps=like.stash.taps, dy=like.inbox.x)
+        kept = dict(zip(like.stash._fields, held)) if self.where.cut else {}
         out = {}
         for name, buffer in buffers.items():
             nothing = jax.tree.map(lambda b: jnp.zeros_like(b[0]), buffer)
-            value = given.get(name)
+            value = given.get(name, kept.get(name))
             out[name] = nothing if value is None else jax.tree.map(
                 lambda a, b: vary(a, varying(jax.typeof(b))), value, nothing)
         return Done(grads=given.get("grads", self.grad_zeros()),
@@ -64,15 +67,15 @@ class Executor:
     def forward(self, op, x, ct, held, head_on=True):
         where = self.where
         y, res, ins = self.worker.forward(x, op["c"], where.cut, self._consts(op))
+        # what the pass stashes (W's inputs: from B under stage remat, which redoes this)
+        kept = {"residuals": [x]} if where.stage_remat else {"residuals": res, "inputs": ins}
         if not head_on:
-            return self.done(y=y, residuals=[x] if where.stage_remat else res)
+            return self.done(held, y=y, **kept)
         total, dy, d_head = head_grads(self.loss, self.head, self.labels, y,
                                        self._consts(op), op["mb"],
                                        (op["kind"] == FORWARD) & (op["dy_to"] >= 0),
                                        where.manual)
-        return self.done(y=y, residuals=[x] if where.stage_remat else res,
-                         inputs=None if where.stage_remat else ins, head=d_head, total=total,
-                         dy=dy)
+        return self.done(held, y=y, head=d_head, total=total, dy=dy, **kept)
 
     def backward(self, op, x, ct, held, grads=None):
         residuals, inputs, cut = held[0], None, self.where.cut
@@ -81,13 +84,15 @@ class Executor:
             _, residuals, inputs = self.worker.forward(residuals[0], op["c"], cut, known)
         dx, d_taps, grads = self.worker.backward(
             ct, residuals, op["c"], self.grad_zeros() if grads is None else grads, cut, known)
-        return self.done(dx=dx, inputs=inputs, taps=d_taps, grads=grads)
+        redone = {} if inputs is None else {"inputs": inputs}  # split, under stage remat
+        return self.done(held, dx=dx, taps=d_taps, grads=grads, **redone)
 
     def weight(self, op, x, ct, held):
-        return self.done(grads=self.worker.weight(held[1], held[2], op["c"], self.grad_zeros()))
+        return self.done(held, grads=self.worker.weight(held[1], held[2], op["c"],
+                                                        self.grad_zeros()))
 
     def idle(self, op, x, ct, held):
-        return self.done()
+        return self.done(held)
 
     # a lane, a slot ------------------------------------------------------------------------
     def lane(self, state: State, op, feed, lane: int, head_on: bool) -> Done:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..manual import select, store_if, vary, varying
-from .table import BACKWARD, FORWARD, FULL, Table
+from .table import FORWARD, FULL, Table
 
 
 def rings(p: int) -> tuple[list, list]:
@@ -33,6 +33,12 @@ def put(pred, buffer, slot, value, axis: int = 0):
     """`value` into slot `slot` of every leaf of `buffer` if `pred` (and the slot is >= 0)."""
     return jax.tree.map(lambda b, a: store_if(pred & (slot >= 0), b, jnp.maximum(slot, 0), a,
                                               axis), buffer, value)
+
+
+def overwrite(buffer, slot, value):
+    """`value` into slot `slot` (-1: slot 0, as `take` read it) of every leaf of `buffer`."""
+    return jax.tree.map(lambda b, a: jax.lax.dynamic_update_index_in_dim(
+        b, a, jnp.maximum(slot, 0), 0), buffer, value)
 
 
 def feed_belt(x_in, feed, slot):
@@ -157,18 +163,17 @@ class State(NamedTuple):
         full backward, summed otherwise)."""
         kind, at = op["kind"], op["stash"]
         inbox, stash, sums = self.inbox, self.stash, self.sums
-        if FORWARD in kinds:
+        if where.cut:  # each branch hands back every stash slot (`Executor.done`)
+            stash = Stash(*(overwrite(b, at, v) for b, v in
+                            zip(stash, (out.residuals, out.inputs, out.taps))))
+        elif FORWARD in kinds:
             stash = stash._replace(residuals=put(kind == FORWARD, stash.residuals, at,
                                                  out.residuals))
+        if FORWARD in kinds:
             if head_on:  # the loss's gradient, for this pass's backward
                 inbox = inbox._replace(ct=put(kind == FORWARD, inbox.ct, op["dy_to"], out.dy))
                 sums = sums._replace(head=jax.tree.map(jnp.add, sums.head, out.head),
                                      total=sums.total + out.total)
-        if where.cut:  # what W waits for
-            stash = stash._replace(
-                inputs=put(kind == (BACKWARD if where.stage_remat else FORWARD),
-                           stash.inputs, at, out.inputs),
-                taps=put(kind == BACKWARD, stash.taps, at, out.taps))
         if FULL in kinds:  # added in place by the backward
             sums = sums._replace(grads=out.grads)
         elif where.cut:
