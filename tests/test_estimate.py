@@ -11,7 +11,7 @@ from spmd3d import config, footprint
 from spmd3d.mesh import load_topology
 from spmd3d.model import abstract_model
 from spmd3d.plan import Plan
-from spmd3d.plan import estimate
+from spmd3d.plan import accumulation, estimate
 from spmd3d.plan import memory as plan_memory
 from spmd3d.sharding import shardings_for
 from spmd3d.step import state_shardings
@@ -184,7 +184,7 @@ def test_accumulating_counts_a_microbatchs_table_gradients_and_their_sum(monkeyp
     """Accumulating with the tokens split (data 2, seq 2; tensor 2 SP, ZeRO-2) and the tables
     larger than the layers (a 128k vocabulary, one layer): a microbatch's fp32 gradients of the
     embedding and the head, whole over data and seq, beside their all-reduce's result, at the
-    end of each microbatch (`memory.table_gradients`), and XLA:CPU's fp32 copy of the narrow
+    end of each microbatch (`accumulation.table_gradients`), and XLA:CPU's fp32 copy of the narrow
     head the loss reads, held from the microbatch's start (`narrow_head_fp32_copy`). Within
     5 % of the compiled buffer, all of it alive at that peak (jax 0.12: 1.61 GB, 0.986 of it),
     and under 0.8 of it without the term."""
@@ -209,7 +209,7 @@ def test_an_moe_layers_expert_gradient_summed_over_the_tokens_is_counted(monkeyp
     """MoE without a pipeline or accumulation, the experts copied over data and seq (ZeRO-1):
     at the end of each MoE layer's backward its shard_map sums the layer's fp32 gradient of
     the experts over those axes, the sum's input and result alive together beside the
-    gradients (`memory.expert_reduce`). Here 64 experts of width 512 and few tokens, so that
+    gradients (`accumulation.expert_reduce`). Here 64 experts of width 512 and few tokens, so that
     sum is the step's peak: within 5 % of the compiled needed bytes (jax 0.12: 0.993), and
     under 0.8 of them without the term (the draws of `test_planner_property` it lifted: 6,
     0.902 to 0.986; 10, 0.874 to 0.965)."""
@@ -226,7 +226,7 @@ def test_an_moe_layers_expert_gradient_summed_over_the_tokens_is_counted(monkeyp
     assert need == pytest.approx(compiled["needed_bytes"], rel=0.05)
     layer = sum(plan_memory.shard_size(*plan_memory.param_shapes(plan.cfg.model, 2)[k],
                                        plan.rules.compute, dict(plan.mesh.shape)) // 2
-                for k in plan_memory.EXPERTS)
+                for k in accumulation.EXPERTS)
     assert plan_memory.expert_reduce(plan) == 2 * layer * 4
     monkeypatch.setattr(plan_memory, "expert_reduce", lambda plan: 0)
     assert plan_memory.memory(plan)["needed_bytes"] < 0.8 * compiled["needed_bytes"]
@@ -355,12 +355,15 @@ QUIRK_LAYOUTS = {
                            extra=["parallel.pipeline_schedule=zb_h1"]),
     # (a vocabulary wide enough that the loss, not a layer's backward, is the peak)
     "head_gradient_fp32_copy": dict(data=8, extra=["model.dtype=bfloat16",
-                                                   "model.vocab_size=1024"]),
-    # (few heads and a wide MLP: the MLP's phase of a layer's backward, not the attention's,
-    # the larger)
+                                                   "model.vocab_size=4096"]),
+    # (few heads, a wide MLP and enough tokens: the MLP's phase of a layer's backward, not
+    # the attention's with the MLP weights' gradient, the larger)
     "dot_operand_copies": dict(data=8, extra=["model.num_heads=2", "model.num_kv_heads=2",
-                                              "model.d_ff=1024"]),
+                                              "model.d_ff=2048", "train.seq_len=256"]),
     "score_copies": dict(data=8),
+    # (a vocabulary wide enough that the loss's phase, with the recompute beside it, is the
+    # peak)
+    "recompute_beside_loss": dict(data=8, remat="full", extra=["model.vocab_size=4096"]),
     "narrow_head_fp32_copy": dict(data=8, micro=2, extra=["model.dtype=bfloat16",
                                                           "model.vocab_size=32000"]),
 }

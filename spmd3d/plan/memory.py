@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 from ..mesh import STAGE
 from . import residuals
+from .accumulation import (expert_gradients, expert_reduce, head_copy, microbatch_gradients,
+                           table_gradients, zeroed_embedding)
 from .inventory import (F32, itemsize, layer_shard, param_shapes, shard_size, stage_layers,
                         state_bytes, table_shard)
 from .quirks import applies
-
-EXPERTS = ("blocks/mlp/w_gate_up", "blocks/mlp/w_down")  # an MoE layer's experts' weights
-
 
 def gathered_layers(plan) -> int:
     """A pipeline whose gradients ZeRO-2/3 split over data: the stage's fp32 gradient
@@ -48,81 +47,25 @@ def layer_weights(plan) -> int:
     """Per-device bytes of one layer's weights while its backward runs, when ZeRO splits them
     over data and no pipeline gathers its stage for the step: under ZeRO-3 the layer gathered
     in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
-    compute dtype as the matmuls give it and in fp32, before its reduce-scatter."""
+    compute dtype as the matmuls give it and in fp32, before its reduce-scatter; each weight
+    only where its table splits it finer than it computes (not an expert ZeRO leaves whole
+    for want of copies)."""
     rules = plan.rules
     if plan.schedule is not None or plan.degrees.zero == 1 or not rules.grads_over_batch:
         return 0
     c = itemsize(plan.cfg.model.dtype)
-    layer = layer_shard(plan)
-    return layer * ((c if rules.params_over_batch else 0) + c + F32)
+    return (_split_finer(plan, rules.params) * c + _split_finer(plan, rules.grads) * (c + F32)) \
+        // plan.layers_per_stage
 
 
-def head_copy(plan) -> int:
-    """Elements of XLA:CPU's fp32 copy of a narrow head the loss's dots read
-    (`narrow_head_fp32_copy`): held for an accumulated microbatch, and for ZB-H1's F that runs
-    the head."""
-    narrow = itemsize(plan.cfg.model.dtype) < F32 and applies("narrow_head_fp32_copy")
-    return narrow * table_shard(plan, "head")
-
-
-def table_gradients(plan) -> int:
-    """Accumulating without a pipeline, at a microbatch's end: its fp32 gradients of the
-    tables (their compute shard, whole over the token axes), their sum over those axes
-    (`reduce_inside_accumulation`), and the head's fp32 copy (`head_copy`)."""
-    deg, accumulating = plan.degrees, plan.schedule is None and plan.accum_steps > 1
-    reduced = deg.batch * deg.seq > 1 and applies("reduce_inside_accumulation")
-    tables = table_shard(plan, "head") + table_shard(plan, "embed")
-    return accumulating * ((1 + reduced) * tables + head_copy(plan)) * F32
-
-
-def microbatch_gradients(plan, whole: bool = False) -> int:
-    """Accumulating without a pipeline, while a microbatch's layers run backward: its fp32
-    gradients beside the accumulator, the layers' stacked as the accumulator holds them (an
-    MoE layer's experts' too, beside `expert_gradients`; HSDP's `whole` ones counted apart),
-    the embedding's when `tensor` splits the vocabulary (the lookup's cotangents scattered
-    into a zeroed table from the forward on), and the head's fp32 copy (`head_copy`)."""
-    if plan.schedule is not None or plan.accum_steps == 1:
-        return 0
-    layers = stage_layers(plan, plan.rules.grads)
-    if plan.cfg.model.is_moe and not experts_copied(plan):
-        # no sum of the experts' gradient over copies: one of theirs for the microbatch
-        # (`expert_gradients`)
-        layers -= stage_layers(plan, plan.rules.grads, keys=EXPERTS)
-    embed = (plan.degrees.tensor > 1) * table_shard(plan, "embed")
-    return ((not whole) * layers + embed + head_copy(plan)) * F32
-
-
-def experts_copied(plan) -> bool:
-    """Whether a token axis holds copies of each expert (data's replicas, HSDP's groups, seq),
-    over which the experts' gradient is summed (`manual.vary`)."""
-    deg = plan.degrees
-    return deg.replicas * deg.replicate * deg.seq > 1
-
-
-def expert_gradients(plan) -> int:
-    """MoE without a pipeline: a microbatch's gradient of the experts, whole over their
-    replicas and in fp32 (their shard_map sums it over the token axes, `manual.vary`), beside
-    the accumulator when microbatches accumulate or the gradients are split over data."""
-    if not plan.cfg.model.is_moe or plan.schedule is not None:
-        return 0
-    split = plan.rules.grads["expert_embed"] is not None and plan.degrees.replicas > 1
-    if plan.accum_steps == 1 and not split:
-        return 0
-    return stage_layers(plan, keys=EXPERTS) * F32
-
-
-def expert_reduce(plan) -> int:
-    """MoE without a pipeline, the experts' gradient neither accumulated nor split over data
-    (`expert_gradients` counts none): at the end of each MoE layer's backward its shard_map
-    sums the layer's fp32 gradient of the experts over the token axes the experts are copied
-    on (`manual.vary`), the sum's input and its result alive together beside the gradients,
-    once the layer's other working set is gone (seeds 6 and 10 of the planner's property)."""
-    m = plan.cfg.model
-    if not m.is_moe or plan.schedule is not None or expert_gradients(plan) or \
-            not experts_copied(plan):
-        return 0
-    stacked = param_shapes(m, len(plan.layer_order))[EXPERTS[0]][0][0]  # the MoE layers
-    return 2 * stage_layers(plan, keys=EXPERTS) // stacked * F32
+def _split_finer(plan, table) -> int:
+    """Elements of the stage's layers, in their compute shard, of the weights `table` splits
+    finer than they compute."""
+    mesh, compute = dict(plan.mesh.shape), plan.rules.compute
+    return sum(shard_size(s, n, compute, mesh) for k, (s, n) in
+               param_shapes(plan.cfg.model, len(plan.layer_order)).items()
+               if k.startswith("blocks/") and shard_size(s, n, table, mesh) < shard_size(
+                   s, n, compute, mesh))
 
 
 def branch_gradients(plan) -> int:
@@ -132,6 +75,28 @@ def branch_gradients(plan) -> int:
     m = plan.cfg.model
     narrow = itemsize(m.dtype) < F32
     return applies("branch_buffers") * stage_layers(plan) * (F32 + narrow * itemsize(m.dtype))
+
+
+def switch_peak(plan, kinds: dict, loss: int, layer: int, head: int) -> int:
+    """ZB-H1's slot (`pipeline.executor`): the stash (`saved_activations`, W's inputs in
+    `w_stash`), the slot of each stash kind its operation reads (one pass, held to the slot's
+    end: each branch hands back what it does not write) and the branches' gradients, beside
+    the largest of an F with the head (a loss piece, the head's fp32 copy its dots read when
+    narrow; split over data, the microbatch's head gradient, which its accumulator takes, made
+    from two of the piece's three values), a B
+    (a layer's backward, and what it stashes for W: the taps, and under stage remat W's
+    inputs) and a W (the pass it read handed back, its widest matmul's operands and, over more
+    than one layer, one layer's fresh gradient beside the stack it fills); B and W hand back
+    a zero gradient of the head too (fp32, `branch_buffers`)."""
+    s, sharded = plan.schedule, plan.rules.grads_over_batch and plan.degrees.zero > 1
+    one = kinds["saved_activations"] // s.in_flight + kinds["w_stash_per_pass"]
+    kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"] + one)
+    kinds["branch_gradients"] = branch_gradients(plan)
+    f = head_copy(plan) * F32 + (loss * 2 // 3 + head if sharded else loss)
+    w = one + mlp_operands(plan) + layer_shard(plan) * F32 * (plan.layers_per_chunk > 1)
+    zeros = applies("branch_buffers") * table_shard(plan, "head") * F32
+    return max(f, zeros + max(layer + kinds["w_built_per_pass"], w)) + kinds["mtp_working"] + \
+        kinds["w_stash"] + kinds["branch_gradients"]
 
 
 def working_terms(plan) -> dict:
@@ -255,28 +220,51 @@ def activation_bytes(plan) -> dict:
     host = passes * (layers if s is None else chunk) * layer.on_host(inner, split) * n
     # one layer's backward, in two phases (the MLP's runs first): the MLP's holds all the layer
     # recomputes (all it would keep under `none`, less what the policy kept) and the MLP's
-    # matmul operands; the attention's its own recompute and its kernel's working set
-    # (`_kernel_working`), the layer's MLP residuals let go of; both the projections' output
+    # matmul operands; the attention's its own recompute, its kernel's working set
+    # (`_kernel_working`) and the MLP weights' gradient (an MoE layer in 1F1B's slot: less
+    # what its MLP kept, fitted, no mechanism found: `test_estimate`'s MoE 1F1B layout at
+    # 1.015 with it, 1.050 without); both the projections' output
     # cotangents and an offloading policy's residuals, back on the device
     redo = kept("none") - kept(inner)
+    lockstep_moe = cfg.model.is_moe and s is not None and s.mode == "lockstep"
     attention = (layer.kept("none", split, True) - layer.kept(inner, split, True)
-                 + _kernel_working(plan) - layer.kept(inner, split, False))
-    working = (layer.projection_outputs + layer.on_host(inner, split)
-               + max(redo + mlp_operands(plan) / n, attention))
+                 + _kernel_working(plan) + mlp_gradient(plan, "attention") / n
+                 - lockstep_moe * layer.kept(inner, split, False))
     m = cfg.model
+    ep = deg.expert
+    rows = m.is_moe * ep * min(m.experts_per_token, m.num_experts // ep)  # per token
+    rows_ct = (s is None) * 2 * rows * m.d_model * itemsize(m.dtype)
+    working = (layer.projection_outputs + layer.on_host(inner, split)
+               + max(redo + (mlp_operands(plan) + mlp_gradient(plan, "mlp")) / n + rows_ct,
+                     attention))
     if m.is_moe and s is not None and deg.tensor > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
         # (`traffic.transfers`): the backward's three sums of [R, D] (R = expert x tokens x
         # min(k, local experts)) run as one all-reduce, their results beside their inputs
-        ep = deg.expert
-        rows = ep * min(m.experts_per_token, m.num_experts // ep)  # per token of the device
         working += 3 * rows * m.d_model * itemsize(m.dtype)
     if whole:  # the pass being recomputed keeps what its layers' policy saves
         working += (layers if s is None else chunk) * kept(inner)
-    # ZB-H1's W waits for its projections' inputs and output gradients
-    w_stash = chunk * (layer.projection_inputs + layer.projection_outputs) * n
+    # ZB-H1's W waits for its projections' inputs and output gradients, which B makes (and
+    # under stage remat the inputs too)
+    w_stash = chunk * layer.waits(split) * n
+    built = chunk * (layer.waits(split) if whole else layer.projection_outputs) * n
     return {"saved_activations": int(passes * per_pass * n), "layer_working": int(working * n),
-            "w_stash_per_pass": int(w_stash), "host_activations": int(host)}
+            "layer_redo": int(redo * n),
+            "w_stash_per_pass": int(w_stash), "w_built_per_pass": int(built),
+            "host_activations": int(host)}
+
+
+def mlp_gradient(plan, phase: str) -> int:
+    """Bytes of a dense layer's MLP weights' gradient, which its backward holds from the
+    MLP's `phase` through the attention's: in the compute dtype, and in the MLP's phase as
+    XLA:CPU's matmuls give it, fp32 (quirk `dot_operand_copies`); with the whole layer's under
+    ZeRO-2/3 (`layer_weights`) counted there."""
+    m = plan.cfg.model
+    if m.is_moe or layer_weights(plan):
+        return 0
+    keys = tuple(k for k in param_shapes(m, len(plan.layer_order)) if k.startswith("blocks/mlp/"))
+    size = F32 if phase == "mlp" and applies("dot_operand_copies") else itemsize(m.dtype)
+    return stage_layers(plan, keys=keys) // plan.layers_per_stage * size
 
 
 def mlp_operands(plan) -> int:
@@ -301,7 +289,7 @@ def _kernel_working(plan) -> float:
     kind = plan.attention_local  # Ulysses': its kernel over the whole sequence
     s = plan.schedule
     mode = "alone" if s is None or s.mode == "switch" else s.mode  # ZB-H1's B runs alone
-    score = {"alone": 16, "autodiff": 12, "lockstep": 8}[mode]  # quirk `score_copies`
+    score = {"alone": 16, "autodiff": 12, "lockstep": 8}[mode] + 4 * (plan.eot is not None)
     return working(kind, heads=m.num_heads / deg.tensor, kv_heads=m.num_kv_heads / deg.tensor,
                    head_dim=m.dim_per_head, seq_len=plan.cfg.train.seq_len,
                    seq=1 if plan.attention == "ulysses" else deg.seq,
@@ -368,24 +356,19 @@ def memory(plan) -> dict:
     elif copy and plan.attention == "ulysses":  # summed over seq too: held to the step's end
         kinds["head_gradients"] += head
     kinds["w_stash"], kinds["mtp_working"] = 0, mtp_working(plan, kinds) if s is not None else 0
-    if s is not None and s.mode == "switch":  # the W stash waits beside the branches
-        kinds["w_stash"] = int(s.in_flight * kinds["w_stash_per_pass"])
-        kinds["branch_gradients"] = branch_gradients(plan)
-        # an F with the head: one loss piece, the head's fp32 copy its dots read when narrow,
-        # and, split over data, the microbatch's gradient of the head beside its accumulator;
-        # a W over more than one layer: one layer's fresh gradient beside the stack it fills
-        head_phase = loss + head_copy(plan) * F32 + sharded * head
-        w_phase = layer_shard(plan) * F32 * (plan.layers_per_chunk > 1)
-        peak = max(head_phase, layer, w_phase) + kinds["mtp_working"] + kinds["w_stash"] + \
-            kinds["branch_gradients"]
+    if s is not None and s.mode == "switch":
+        peak = switch_peak(plan, kinds, loss, layer, head)
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
         peak = loss + kinds["mtp_working"] + layer
-    elif s is not None:  # GPipe's backward, autodiff of its slot loop
+    elif s is not None:  # GPipe's backward, autodiff of its slot loop: a slot's pass read out
         peak = max(loss + kinds["mtp_working"],
-                   layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32)
-    else:  # the loss's backward, one layer's, or the end of an MoE layer's
-        peak = max(loss + loss_head, layer, expert_reduce(plan))
-    del kinds["w_stash_per_pass"]  # a factor, not a kind
+                   layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32
+                   + kinds["saved_activations"] // s.saved_passes)
+    else:  # the loss's backward (and the last layer's recompute), one layer's, or the end of
+        # an MoE layer's
+        redo = applies("recompute_beside_loss") * kinds["layer_redo"]
+        peak = max(loss + loss_head + redo + zeroed_embedding(plan), layer, expert_reduce(plan))
+    del kinds["w_stash_per_pass"], kinds["w_built_per_pass"], kinds["layer_redo"]
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["gathered_tables"] + kinds["dense_activations"]
             + kinds["head_gradients"] + kinds["expert_gradients"] + kinds["whole_gradients"]

@@ -57,11 +57,16 @@ QUIRKS = {
         "cpu", "a score tile's backward (the blocked kernel's, the ring's) holds the tile's "
                "probabilities, their gradient, the scores' gradient and that in a second "
                "layout for the keys' matmul, each in fp32 (16 bytes a score); in GPipe's "
-               "backward the last three (12), in 1F1B's tick beside the loss the first two (8)"),
+               "backward the last three (12), in 1F1B's tick beside the loss the first two (8); "
+               "with packed documents, the probabilities masked by document too (4 more)"),
     "narrow_head_fp32_copy": Quirk(
         "cpu", "in a narrow compute dtype the loss's dots read an fp32 copy of the head's "
                "shard: accumulating microbatches, made at a microbatch's start and held to "
                "its end, beside the tables' gradients; in ZB-H1, while an F runs the head"),
+    "recompute_beside_loss": Quirk(
+        "cpu", "without a pipeline, the last layer's recompute under a recomputing policy "
+               "(it needs only the layer's saved input) is scheduled during the loss's "
+               "backward, beside the loss's working set"),
 }
 
 

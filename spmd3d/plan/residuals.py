@@ -89,6 +89,7 @@ class LayerBytes:
     residuals: dict  # remat policy -> tuple of Residual (`_PerPolicy`)
     projection_inputs: float
     projection_outputs: float
+    stream_inputs: float  # of the projections' inputs, those from the stream (a norm's)
     # remat policy -> bytes per device of what the vjp hands over that the layer makes and
     # that does not grow with the tokens (a custom_vjp's residuals, which no policy sees: the
     # experts' weights as used), which a stashing schedule keeps per pass
@@ -111,6 +112,12 @@ class LayerBytes:
                    if not r.host and attention in (None, r.attention)
                    and (attention is not False or r.made))
 
+    def waits(self, tensor_split: int = 1) -> float:
+        """What a zero-bubble schedule's W waits for: the projections' inputs (a norm's output
+        as it was before SP's gather, which W gathers again) and their outputs' cotangents."""
+        return (self.projection_inputs - self.stream_inputs * (1 - 1 / tensor_split)
+                + self.projection_outputs)
+
 
 def of(plan, dense: bool = False) -> LayerBytes:
     """The plan's layer on one device (see the module's docstring); `dense`: a layer of the
@@ -118,6 +125,7 @@ def of(plan, dense: bool = False) -> LayerBytes:
     m, deg = plan.cfg.model, plan.degrees
     t, seq, ep = deg.tensor, deg.seq, deg.expert
     local = replace(m, num_layers=m.moe_every, dense_layers=0, vocab_size=8,
+                    head_dim=m.head_dim if m.is_mla else m.dim_per_head,  # not D / (H / t)
                     num_heads=m.num_heads // t, num_kv_heads=m.num_kv_heads // t,
                     d_ff=m.d_ff // t, d_ff_expert=m.expert_width // t)
     if dense:
@@ -196,14 +204,17 @@ def _trace(m, tokens: int, kernel: str, seq: int, ep: int = 1, inner: str = "") 
 
     taps = traced(run)
 
-    def size(rows):
-        _, (ins, outs), at = taps(rows)
-        return tuple(sum(at(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
-                     for tree in (ins, outs))
+    def size(rows):  # (inputs, outputs, of the inputs those from the stream)
+        jaxpr, (ins, _), at = taps(rows)
+        values = _describe(jaxpr.jaxpr, at, through=("sharding_constraint",))
+        first = len(jax.tree.leaves(ins))
+        return (sum(r.nbytes for r in values[:first]), sum(r.nbytes for r in values[first:]),
+                sum(r.nbytes for r in values[:first] if r.stream))
 
-    (i1, o1), (i2, o2) = size(1), size(2)
+    one, two = size(1), size(2)
     per = tokens * ep
-    return LayerBytes(_PerPolicy(per_token), (i2 - i1) / per, (o2 - o1) / per,
+    inputs, outputs, stream = ((b - a) / per for a, b in zip(one, two))
+    return LayerBytes(_PerPolicy(per_token), inputs, outputs, stream,
                       _PerPolicy(fixed), _PerPolicy(lambda p: fixed(p, experts=True)))
 
 
@@ -252,15 +263,16 @@ def _stream_scopes() -> frozenset:
     return frozenset({"norm", *rows})
 
 
-def _describe(jaxpr, at) -> list[Residual]:
+def _describe(jaxpr, at, through: tuple = ()) -> list[Residual]:
     """The residuals a vjp's closure holds (the traced function's outputs), in order; `at`:
-    a traced size's value (`_at_rows`)."""
+    a traced size's value (`_at_rows`); each value found where it was made, past an offload
+    or a name and the primitives `through` (a projection's input: past SP's gather)."""
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     stream_scopes = _stream_scopes()
     out = []
     for v in jaxpr.outvars:
         aval, eqn = v.aval, made.get(v)
-        while eqn is not None and eqn.primitive.name in ("device_put", "name"):  # offloaded, named
+        while eqn is not None and eqn.primitive.name in ("device_put", "name", *through):
             eqn = made.get(eqn.invars[0])  # its value: where it was made
         scopes = set(str(eqn.source_info.name_stack).split("/")) if eqn is not None else set()
         within = lambda name: any(c.endswith((name, f"({name})")) for c in scopes)  # noqa: E731

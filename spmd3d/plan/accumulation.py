@@ -1,0 +1,89 @@
+"""What accumulating microbatches without a pipeline holds beside the accumulator, per device:
+a microbatch's fp32 gradients of the layers and the tables, the experts' sum over their copies,
+and XLA:CPU's fp32 copy of a narrow head (`memory.py` adds them to the step's phases)."""
+
+from __future__ import annotations
+
+from .inventory import F32, itemsize, param_shapes, stage_layers, table_shard
+from .quirks import applies
+
+EXPERTS = ("blocks/mlp/w_gate_up", "blocks/mlp/w_down")  # an MoE layer's experts' weights
+
+
+def head_copy(plan) -> int:
+    """Elements of XLA:CPU's fp32 copy of a narrow head the loss's dots read
+    (`narrow_head_fp32_copy`): held for an accumulated microbatch, and for ZB-H1's F that runs
+    the head."""
+    narrow = itemsize(plan.cfg.model.dtype) < F32 and applies("narrow_head_fp32_copy")
+    return narrow * table_shard(plan, "head")
+
+
+def table_gradients(plan) -> int:
+    """Accumulating without a pipeline, at a microbatch's end: its fp32 gradients of the
+    tables (their compute shard, whole over the token axes), their sum over those axes
+    (`reduce_inside_accumulation`), and the head's fp32 copy (`head_copy`)."""
+    deg, accumulating = plan.degrees, plan.schedule is None and plan.accum_steps > 1
+    reduced = deg.batch * deg.seq > 1 and applies("reduce_inside_accumulation")
+    tables = table_shard(plan, "head") + table_shard(plan, "embed")
+    return accumulating * ((1 + reduced) * tables + head_copy(plan)) * F32
+
+
+def microbatch_gradients(plan, whole: bool = False) -> int:
+    """Accumulating without a pipeline, while a microbatch's layers run backward: its fp32
+    gradients beside the accumulator, the layers' stacked as the accumulator holds them (an
+    MoE layer's experts' too, beside `expert_gradients`; HSDP's `whole` ones counted apart),
+    the embedding's when `tensor` splits the vocabulary (the lookup's cotangents scattered
+    into a zeroed table from the forward on), the head's fp32 copy (`head_copy`) and, unless
+    ZeRO-2/3 reduce-scatter it after the loss, the head's from the loss on."""
+    if plan.schedule is not None or plan.accum_steps == 1:
+        return 0
+    layers = stage_layers(plan, plan.rules.grads)
+    kept = not (plan.rules.grads_over_batch and plan.degrees.zero > 1)
+    if plan.cfg.model.is_moe and not experts_copied(plan):
+        # no sum of the experts' gradient over copies: one of theirs for the microbatch
+        # (`expert_gradients`)
+        layers -= stage_layers(plan, plan.rules.grads, keys=EXPERTS)
+    return ((not whole) * layers + head_copy(plan) + kept * table_shard(plan, "head")) * F32 \
+        + zeroed_embedding(plan)
+
+
+def zeroed_embedding(plan) -> int:
+    """Accumulating without a pipeline, when `tensor` splits the vocabulary: the embedding's
+    zeroed fp32 gradient the lookup's cotangents are scattered into, from a microbatch's
+    forward to its end (its loss's backward too)."""
+    if plan.schedule is not None or plan.accum_steps == 1 or plan.degrees.tensor == 1:
+        return 0
+    return table_shard(plan, "embed") * F32
+
+
+def experts_copied(plan) -> bool:
+    """Whether a token axis holds copies of each expert (data's replicas, HSDP's groups, seq),
+    over which the experts' gradient is summed (`manual.vary`)."""
+    deg = plan.degrees
+    return deg.replicas * deg.replicate * deg.seq > 1
+
+
+def expert_gradients(plan) -> int:
+    """MoE without a pipeline: a microbatch's gradient of the experts, whole over their
+    replicas and in fp32 (their shard_map sums it over the token axes, `manual.vary`), beside
+    the accumulator when microbatches accumulate or the gradients are split over data."""
+    if not plan.cfg.model.is_moe or plan.schedule is not None:
+        return 0
+    split = plan.rules.grads["expert_embed"] is not None and plan.degrees.replicas > 1
+    if plan.accum_steps == 1 and not split:
+        return 0
+    return stage_layers(plan, keys=EXPERTS) * F32
+
+
+def expert_reduce(plan) -> int:
+    """MoE without a pipeline, the experts' gradient neither accumulated nor split over data
+    (`expert_gradients` counts none): at the end of each MoE layer's backward its shard_map
+    sums the layer's fp32 gradient of the experts over the token axes the experts are copied
+    on (`manual.vary`), the sum's input and its result alive together beside the gradients,
+    once the layer's other working set is gone (seeds 6 and 10 of the planner's property)."""
+    m = plan.cfg.model
+    if not m.is_moe or plan.schedule is not None or expert_gradients(plan) or \
+            not experts_copied(plan):
+        return 0
+    stacked = param_shapes(m, len(plan.layer_order))[EXPERTS[0]][0][0]  # the MoE layers
+    return 2 * stage_layers(plan, keys=EXPERTS) // stacked * F32
