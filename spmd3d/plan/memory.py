@@ -249,7 +249,7 @@ def activation_bytes(plan) -> dict:
     w_stash = chunk * layer.waits(split) * n
     built = chunk * (layer.waits(split) if whole else layer.projection_outputs) * n
     return {"saved_activations": int(passes * per_pass * n), "layer_working": int(working * n),
-            "layer_redo": int(redo * n),
+            "layer_redo": int(redo * n), "layer_kept": int(kept(inner) * n),
             "w_stash_per_pass": int(w_stash), "w_built_per_pass": int(built),
             "host_activations": int(host)}
 
@@ -289,7 +289,8 @@ def _kernel_working(plan) -> float:
     kind = plan.attention_local  # Ulysses': its kernel over the whole sequence
     s = plan.schedule
     mode = "alone" if s is None or s.mode == "switch" else s.mode  # ZB-H1's B runs alone
-    score = {"alone": 16, "autodiff": 12, "lockstep": 8}[mode] + 4 * (plan.eot is not None)
+    score = ({"alone": 16, "autodiff": 12, "lockstep": 8}[mode] + 4 * (plan.eot is not None)
+             + 4 * (itemsize(m.dtype) == F32))
     return working(kind, heads=m.num_heads / deg.tensor, kv_heads=m.num_kv_heads / deg.tensor,
                    head_dim=m.dim_per_head, seq_len=plan.cfg.train.seq_len,
                    seq=1 if plan.attention == "ulysses" else deg.seq,
@@ -367,8 +368,11 @@ def memory(plan) -> dict:
     else:  # the loss's backward (and the last layer's recompute), one layer's, or the end of
         # an MoE layer's
         redo = applies("recompute_beside_loss") * kinds["layer_redo"]
-        peak = max(loss + loss_head + redo + zeroed_embedding(plan), layer, expert_reduce(plan))
-    del kinds["w_stash_per_pass"], kinds["w_built_per_pass"], kinds["layer_redo"]
+        # (an MoE layer's end: its residuals, read out of the stacks, still held)
+        reduce = expert_reduce(plan) and expert_reduce(plan) + kinds["layer_kept"]
+        peak = max(loss + loss_head + redo + zeroed_embedding(plan), layer, reduce)
+    for factor in ("w_stash_per_pass", "w_built_per_pass", "layer_redo", "layer_kept"):
+        del kinds[factor]
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]
             + kinds["gathered_layers"] + kinds["gathered_tables"] + kinds["dense_activations"]
             + kinds["head_gradients"] + kinds["expert_gradients"] + kinds["whole_gradients"]

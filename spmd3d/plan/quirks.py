@@ -58,7 +58,9 @@ QUIRKS = {
                "probabilities, their gradient, the scores' gradient and that in a second "
                "layout for the keys' matmul, each in fp32 (16 bytes a score); in GPipe's "
                "backward the last three (12), in 1F1B's tick beside the loss the first two (8); "
-               "with packed documents, the probabilities masked by document too (4 more)"),
+               "with packed documents, the probabilities masked by document too (4 more); in "
+               "fp32, without the narrow casts, the masked and scaled probabilities apart (4 "
+               "more)"),
     "narrow_head_fp32_copy": Quirk(
         "cpu", "in a narrow compute dtype the loss's dots read an fp32 copy of the head's "
                "shard: accumulating microbatches, made at a microbatch's start and held to "
