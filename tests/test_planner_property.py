@@ -26,8 +26,9 @@ LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
 # regressions, not evidence for the rest (docs/planner.md): 15, in the band on jax 0.10.2 and
 # 0.12 since 2026-11-27; 17 and 21 (jax 0.12), accumulating without a pipeline: an MoE layer's
 # microbatch gradients beside the accumulator, the tables' sum over `seq` at ZeRO-1; 3 and 23
-# (2026-11-30): ZB-H1's branches, a dense MLP's backward operands in fp32
-SAMPLE = (3, 15, 17, 21, 23)
+# (2026-11-30): ZB-H1's branches, a dense MLP's backward operands in fp32; 12 and 14
+# (2026-11-30): GPipe's slot read out at remat none, ZB-H1's slot and W stash under SP
+SAMPLE = (3, 12, 14, 15, 17, 21, 23)
 FIRST = int(os.environ.get("PLANNER_SEED", 1))
 LARGER = range(FIRST, FIRST + int(os.environ.get("PLANNER_DRAWS", 24)))
 
