@@ -362,8 +362,9 @@ def memory(plan) -> dict:
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
         peak = loss + kinds["mtp_working"] + layer
     elif s is not None:  # GPipe's backward, autodiff of its slot loop: a slot's pass read out
+        fresh = applies("fresh_stage_gradient") and not s.recomputes_stage  # seed 13's dump
         peak = max(loss + kinds["mtp_working"],
-                   layer + applies("fresh_stage_gradient") * stage_layers(plan) * F32
+                   layer + fresh * stage_layers(plan) * F32
                    + kinds["saved_activations"] // s.saved_passes)
     else:  # the loss's backward (and the last layer's recompute), one layer's, or the end of
         # an MoE layer's

@@ -34,7 +34,8 @@ QUIRKS = {
         "tokens' cotangents and ids, not the table"),
     "fresh_stage_gradient": Quirk(
         "any", "autodiff of GPipe's slot loop hands back a fresh fp32 gradient of the stage's "
-        "layers per slot, beside the accumulator"),
+        "layers per slot, beside the accumulator (not a circular table's, whose chunk a "
+        "traced index picks inside a checkpoint)"),
     "branch_buffers": Quirk(
         "any", "each branch of ZB-H1's per-device switch hands back a gradient of the stage's "
         "layers (W its own, F and B zeros), beside the accumulator, and the stage's layers are "
