@@ -30,6 +30,7 @@ from .inventory import (F32, itemsize, layer_shard, param_shapes, shard_size, st
                         state_bytes, table_shard)
 from .quirks import applies
 
+
 def gathered_layers(plan) -> int:
     """A pipeline whose gradients ZeRO-2/3 split over data: the stage's fp32 gradient
     accumulated whole over data (the pipeline hands back its compute shard, reduced over data
@@ -233,6 +234,8 @@ def activation_bytes(plan) -> dict:
     m = cfg.model
     ep = deg.expert
     rows = m.is_moe * ep * min(m.experts_per_token, m.num_experts // ep)  # per token
+    # without a pipeline, an MoE layer's MLP phase holds its dispatched rows' cotangent twice:
+    # the zeroed table the gather's gradient scatters into and the matmul's result
     rows_ct = (s is None) * 2 * rows * m.d_model * itemsize(m.dtype)
     working = (layer.projection_outputs + layer.on_host(inner, split)
                + max(redo + (mlp_operands(plan) + mlp_gradient(plan, "mlp")) / n + rows_ct,
