@@ -44,8 +44,8 @@ class Executor:
         """An operation's results, each varying as the buffer it goes to (a constant residual,
         as the gathered attention's key positions, is invariant); shaped by the buffers before
         the loop, never by a carried one. In a switch, a stash slot the operation does not
-        write is handed back as `held` it (`State.operands`), so that the slot is written
-        whatever the branch, without a second read of it to keep."""
+        write is handed back as it was read (`held`, `State.operands`), so that the slot is
+        written whatever the branch, without a second read of it to keep."""
         like = self.like
         buffers = dict(y=like.inbox.x, dx=like.inbox.x, residuals=like.stash.residuals,
                        inputs=like.stash.inputs, taps=like.stash.taps, dy=like.inbox.x)
