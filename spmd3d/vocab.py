@@ -75,6 +75,22 @@ def loss_chunks(tokens: int, chunk: int) -> int:
     return next(n for n in range(1, tokens + 1) if tokens % n == 0 and tokens // n <= chunk)
 
 
+def loss_working(tokens: int, chunk: int, d_model: int, vocab_shard: int, head: int,
+                 itemsize: int, head_copy: int = 0) -> int:
+    """Bytes the loss holds at its widest on a device of `tokens` tokens, for the planner
+    (`plan.accumulation.loss_phase`): over several pieces the head's gradient they sum in the
+    compute dtype (`itemsize`; `head` elements), an fp32 copy of the head the matmuls read
+    (`head_copy` elements), and the larger of a piece's forward (its fp32 logits, their
+    rounding and the loss's product with the labels, beside the hidden states) and its
+    backward (the logits again, with the softmax and cotangent made in their place, the
+    piece's head gradient in fp32 as its matmul gives it, the hidden states and their
+    cotangent)."""
+    pieces = loss_chunks(tokens, chunk)
+    logits, hidden = tokens // pieces * vocab_shard * 4, tokens * d_model * itemsize
+    return ((pieces > 1) * head * itemsize + head_copy * 4
+            + max(3 * logits + hidden, logits + head * 4 + 2 * hidden))
+
+
 def traffic(d_model: int, tokens: int, head_tokens: int, table_bytes: int, c: int,
             sequence_parallel: bool) -> list[tuple[str, str, float]]:
     """What the vocabulary's two ends move over `tensor` in a step, per device, for the

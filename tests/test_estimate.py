@@ -349,13 +349,14 @@ QUIRK_LAYOUTS = {
     "one_trip_loops_inlined": dict(seq=2, data=2, tensor=2),
     "reduce_inside_accumulation": dict(data=8, micro=2),
     "lookup_moves_cotangents": dict(data=8, zero=2),
-    "fresh_stage_gradient": dict(data=2, stage=2, tensor=2, micro=2),
+    # (two layers a stage: a pass of one has none)
+    "fresh_stage_gradient": dict(data=2, stage=2, tensor=2, micro=2,
+                                 extra=["model.num_layers=4"]),
     "hsdp_reduces_whole": dict(data=8, zero=2, micro=2, extra=["mesh.replicate=2"]),
     "branch_buffers": dict(data=2, stage=2, tensor=2, micro=2,
                            extra=["parallel.pipeline_schedule=zb_h1"]),
-    # (a vocabulary wide enough that the loss, not a layer's backward, is the peak)
-    "head_gradient_fp32_copy": dict(data=8, extra=["model.dtype=bfloat16",
-                                                   "model.vocab_size=4096"]),
+    "head_gradient_fp32_copy": dict(data=2, seq=4, extra=["model.dtype=bfloat16",
+                                                          "parallel.context=ulysses"]),
     # (few heads, a wide MLP and enough tokens: the MLP's phase of a layer's backward, not
     # the attention's with the MLP weights' gradient, the larger)
     "dot_operand_copies": dict(data=8, extra=["model.num_heads=2", "model.num_kv_heads=2",

@@ -27,8 +27,10 @@ LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
 # 0.12 since 2026-11-27; 17 and 21 (jax 0.12), accumulating without a pipeline: an MoE layer's
 # microbatch gradients beside the accumulator, the tables' sum over `seq` at ZeRO-1; 3 and 23
 # (2026-11-30): ZB-H1's branches, a dense MLP's backward operands in fp32; 12 and 14
-# (2026-11-30): GPipe's slot read out at remat none, ZB-H1's slot and W stash under SP
-SAMPLE = (3, 12, 14, 15, 17, 21, 23)
+# (2026-11-30): GPipe's slot read out at remat none, ZB-H1's slot and W stash under SP; 18 and
+# 24 (2026-12-01): the loss's own working set at ZeRO-3, GPipe's pass of one MoE pair (no fresh
+# stage gradient)
+SAMPLE = (3, 12, 14, 15, 17, 18, 21, 23, 24)
 FIRST = int(os.environ.get("PLANNER_SEED", 1))
 LARGER = range(FIRST, FIRST + int(os.environ.get("PLANNER_DRAWS", 24)))
 

@@ -1,6 +1,8 @@
-"""What accumulating microbatches without a pipeline holds beside the accumulator, per device:
-a microbatch's fp32 gradients of the layers and the tables, the experts' sum over their copies,
-and XLA:CPU's fp32 copy of a narrow head (`memory.py` adds them to the step's phases)."""
+"""What a step without a pipeline holds beside its gradients' accumulator, per device: at the
+loss (the tables' gradients as they are then, the loss's working set), and accumulating
+microbatches, a microbatch's fp32 gradients of the layers and the tables, the experts' sum over
+their copies, and XLA:CPU's fp32 copy of a narrow head (`memory.py` adds them to the step's
+phases)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,29 @@ def head_copy(plan) -> int:
     the head."""
     narrow = itemsize(plan.cfg.model.dtype) < F32 and applies("narrow_head_fp32_copy")
     return narrow * table_shard(plan, "head")
+
+
+def loss_phase(plan) -> int:
+    """Without a pipeline, what the loss's backward holds beyond the step's other temporaries
+    (`memory`'s, whose gradients count the tables' and, split by ZeRO-2/3 without
+    accumulation, the head's whole from the loss on): the tables' gradients as they are then
+    and the loss's working set (`vocab.loss_working`, with `head_copy`). Then, accumulating,
+    the tables' accumulators and the microbatch's zeroed embedding (`zeroed_embedding`); else
+    the embedding's alone: the zeroed table the lookup's cotangents scatter into (its compute
+    shard where `tensor` splits the vocabulary, its gradient's shard where the lookup moves
+    cotangents); the head's is made from the loss's pieces after them."""
+    from ..vocab import loss_working
+
+    m, deg, accumulating = plan.cfg.model, plan.degrees, plan.accum_steps > 1
+    head, embed = (table_shard(plan, t, plan.rules.grads) * F32 for t in ("head", "embed"))
+    whole_head = not accumulating and plan.rules.grads_over_batch and deg.zero > 1
+    counted = head + embed + whole_head * table_shard(plan, "head") * F32
+    held = accumulating * (head + embed) + (zeroed_embedding(plan, always=True) if
+                                            deg.tensor > 1 else (not accumulating) * embed)
+    working = loss_working(plan.tokens_per_microbatch, plan.cfg.parallel.loss_chunk,
+                           m.d_model, m.vocab_size // deg.tensor, table_shard(plan, "head"),
+                           itemsize(m.dtype), head_copy(plan))
+    return held - counted + working
 
 
 def table_gradients(plan) -> int:
@@ -47,11 +72,12 @@ def microbatch_gradients(plan, whole: bool = False) -> int:
         + zeroed_embedding(plan)
 
 
-def zeroed_embedding(plan) -> int:
-    """Accumulating without a pipeline, when `tensor` splits the vocabulary: the embedding's
-    zeroed fp32 gradient the lookup's cotangents are scattered into, from a microbatch's
-    forward to its end (its loss's backward too)."""
-    if plan.schedule is not None or plan.accum_steps == 1 or plan.degrees.tensor == 1:
+def zeroed_embedding(plan, always: bool = False) -> int:
+    """Accumulating without a pipeline (`always`: or not), when `tensor` splits the vocabulary:
+    the embedding's zeroed fp32 gradient the lookup's cotangents are scattered into, from a
+    microbatch's forward to its end (its loss's backward too)."""
+    if plan.schedule is not None or plan.degrees.tensor == 1 or \
+            plan.accum_steps == 1 and not always:
         return 0
     return table_shard(plan, "embed") * F32
 

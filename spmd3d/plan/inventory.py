@@ -94,9 +94,11 @@ def layer_shard(plan) -> int:
     return stage_layers(plan) // plan.layers_per_stage
 
 
-def table_shard(plan, which: str) -> int:
-    """Elements of the head (`head`) or the embedding (`embed`) a device holds as it computes."""
+def table_shard(plan, which: str, table=None) -> int:
+    """Elements of the head (`head`) or the embedding (`embed`) a device holds under rules
+    `table` (by default as it computes)."""
     m = plan.cfg.model
     shape, names = (((m.d_model, m.vocab_size), ("embed", "vocab")) if which == "head" else
                     ((m.vocab_size, m.d_model), ("vocab", "embed")))
-    return shard_size(shape, names, plan.rules.compute, dict(plan.mesh.shape))
+    return shard_size(shape, names, plan.rules.compute if table is None else table,
+                      dict(plan.mesh.shape))

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ..mesh import STAGE
 from . import residuals
-from .accumulation import (expert_gradients, expert_reduce, head_copy, microbatch_gradients,
-                           table_gradients, zeroed_embedding)
+from .accumulation import (expert_gradients, expert_reduce, head_copy, loss_phase,
+                           microbatch_gradients, table_gradients)
 from .inventory import (F32, itemsize, layer_shard, param_shapes, shard_size, stage_layers,
                         state_bytes, table_shard)
 from .quirks import applies
@@ -353,28 +353,26 @@ def memory(plan) -> dict:
                                          + kinds["microbatch_gradients"])
     deg = plan.degrees
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and deg.tensor > 1
-    copy = (s is None and plan.accum_steps == 1 and not sp and deg.batch > 1 and c < F32
-            and applies("head_gradient_fp32_copy"))
-    if copy and deg.seq == 1:
-        loss += head // F32 * (F32 - c)
-    elif copy and plan.attention == "ulysses":  # summed over seq too: held to the step's end
-        kinds["head_gradients"] += head
+    if (plan.attention == "ulysses" and s is None and plan.accum_steps == 1 and not sp
+            and deg.batch > 1 and c < F32 and applies("head_gradient_fp32_copy")):
+        kinds["head_gradients"] += head  # summed over data and seq, held to the step's end
     kinds["w_stash"], kinds["mtp_working"] = 0, mtp_working(plan, kinds) if s is not None else 0
     if s is not None and s.mode == "switch":
         peak = switch_peak(plan, kinds, loss, layer, head)
     elif s is not None and s.mode == "lockstep":  # a slot runs a forward (and head) and a backward
         peak = loss + kinds["mtp_working"] + layer
     elif s is not None:  # GPipe's backward, autodiff of its slot loop: a slot's pass read out
-        fresh = applies("fresh_stage_gradient") and not s.recomputes_stage  # seed 13's dump
+        # (none where a pass runs one layer: seeds 13 and 24)
+        fresh = applies("fresh_stage_gradient") and plan.layers_per_chunk > 1
         peak = max(loss + kinds["mtp_working"],
                    layer + fresh * stage_layers(plan) * F32
                    + kinds["saved_activations"] // s.saved_passes)
-    else:  # the loss's backward (and the last layer's recompute), one layer's, or the end of
-        # an MoE layer's
+    else:  # the loss (and beside its backward the last layer's recompute), one layer's
+        # backward, or the end of an MoE layer's
         redo = applies("recompute_beside_loss") * kinds["layer_redo"]
         # (an MoE layer's end: its residuals, read out of the stacks, still held)
         reduce = expert_reduce(plan) and expert_reduce(plan) + kinds["layer_kept"]
-        peak = max(loss + loss_head + redo + zeroed_embedding(plan), layer, reduce)
+        peak = max(loss_phase(plan) + redo, layer, reduce)
     for factor in ("w_stash_per_pass", "w_built_per_pass", "layer_redo", "layer_kept"):
         del kinds[factor]
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]

@@ -34,8 +34,8 @@ QUIRKS = {
         "tokens' cotangents and ids, not the table"),
     "fresh_stage_gradient": Quirk(
         "any", "autodiff of GPipe's slot loop hands back a fresh fp32 gradient of the stage's "
-        "layers per slot, beside the accumulator (not a circular table's, whose chunk a "
-        "traced index picks inside a checkpoint)"),
+        "layers per slot, beside the accumulator; not where a pass runs one layer (its loop "
+        "of one trip inlined, `one_trip_loops_inlined`)"),
     "branch_buffers": Quirk(
         "any", "each branch of ZB-H1's per-device switch hands back a gradient of the stage's "
         "layers (W its own, F and B zeros), beside the accumulator, and the stage's layers are "
@@ -45,11 +45,9 @@ QUIRKS = {
         "ZeRO group and then sliced (not reduce-scattered), before their shard is reduced "
         "across groups: a whole fp32 gradient of the layers beside the accumulator"),
     "head_gradient_fp32_copy": Quirk(
-        "cpu", "the loss's shard_map sums a narrow head gradient over data in fp32 "
-        "(`manual.vary`) into a buffer of its own, an fp32 copy at the loss's peak; only "
-        "without SP, the ring, a pipeline or accumulated microbatches (there it reuses a "
-        "buffer live anyway); under Ulysses, summed over seq too, the copy is whole and held "
-        "to the step's end"),
+        "cpu", "under Ulysses, without SP or accumulated microbatches, the loss's shard_map "
+        "sums a narrow head gradient over data and seq in fp32 (`manual.vary`) into a buffer "
+        "of its own, whole and held to the step's end"),
     "dot_operand_copies": Quirk(
         "cpu", "a dense MLP's backward reads the gate and up projections' output cotangent "
                "in two layouts, one per matmul, each a copy of its own in fp32 (a narrow "
