@@ -21,10 +21,11 @@ def head_copy(plan) -> int:
 
 
 def loss_phase(plan) -> int:
-    """Without a pipeline, what the loss's backward holds beyond the step's other temporaries
-    (`memory`'s, whose gradients count the tables' and, split by ZeRO-2/3 without
-    accumulation, the head's whole from the loss on): the tables' gradients as they are then
-    and the loss's working set (`vocab.loss_working`, with `head_copy`). Then, accumulating,
+    """Without a pipeline, what the loss (its forward's pieces or its backward's, the larger)
+    holds beyond the step's other temporaries (`memory`'s, whose gradients count the tables'
+    and, split by ZeRO-2/3 without accumulation, the head's whole from the loss on): the
+    tables' gradients as they are then and the loss's working set (`vocab.loss_working`, with
+    `head_copy`). Then, accumulating,
     the tables' accumulators and the microbatch's zeroed embedding (`zeroed_embedding`); else
     the embedding's alone: the zeroed table the lookup's cotangents scatter into (its compute
     shard where `tensor` splits the vocabulary, its gradient's shard where the lookup moves
