@@ -365,6 +365,7 @@ QUIRK_LAYOUTS = {
     # (a vocabulary wide enough that the loss's phase, with the recompute beside it, is the
     # peak)
     "recompute_beside_loss": dict(data=8, remat="full", extra=["model.vocab_size=4096"]),
+    "one_layer_inlined": dict(data=8, extra=["model.num_layers=1", "model.dtype=bfloat16"]),
     "narrow_head_fp32_copy": dict(data=8, micro=2, extra=["model.dtype=bfloat16",
                                                           "model.vocab_size=32000"]),
 }

@@ -29,8 +29,8 @@ LOW, HIGH = 0.97, 1.05  # analytic needed bytes over compiled
 # (2026-11-30): ZB-H1's branches, a dense MLP's backward operands in fp32; 12 and 14
 # (2026-11-30): GPipe's slot read out at remat none, ZB-H1's slot and W stash under SP; 18 and
 # 24 (2026-12-01): the loss's own working set at ZeRO-3, GPipe's pass of one MoE pair (no fresh
-# stage gradient)
-SAMPLE = (3, 12, 14, 15, 17, 18, 21, 23, 24)
+# stage gradient); 20 (2026-12-01): a dense stack of one layer
+SAMPLE = (3, 12, 14, 15, 17, 18, 20, 21, 23, 24)
 FIRST = int(os.environ.get("PLANNER_SEED", 1))
 LARGER = range(FIRST, FIRST + int(os.environ.get("PLANNER_DRAWS", 24)))
 

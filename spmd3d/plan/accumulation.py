@@ -6,7 +6,7 @@ phases)."""
 
 from __future__ import annotations
 
-from .inventory import F32, itemsize, param_shapes, stage_layers, table_shard
+from .inventory import F32, itemsize, layer_shard, param_shapes, stage_layers, table_shard
 from .quirks import applies
 
 EXPERTS = ("blocks/mlp/w_gate_up", "blocks/mlp/w_down")  # an MoE layer's experts' weights
@@ -36,12 +36,29 @@ def loss_phase(plan) -> int:
     head, embed = (table_shard(plan, t, plan.rules.grads) * F32 for t in ("head", "embed"))
     whole_head = not accumulating and plan.rules.grads_over_batch and deg.zero > 1
     counted = head + embed + whole_head * table_shard(plan, "head") * F32
-    held = accumulating * (head + embed) + (zeroed_embedding(plan, always=True) if
-                                            deg.tensor > 1 else (not accumulating) * embed)
+    held = accumulating * (head + embed) + (zeroed_embedding(plan, always=True) or
+                                            (not accumulating) * embed)
     working = loss_working(plan.tokens_per_microbatch, plan.cfg.parallel.loss_chunk,
                            m.d_model, m.vocab_size // deg.tensor, table_shard(plan, "head"),
                            itemsize(m.dtype), head_copy(plan))
     return held - counted + working
+
+
+def inlined_layer(plan, saved: int) -> tuple[int, int]:
+    """A dense stack of one layer without a pipeline (quirk `one_layer_inlined`): (what the
+    loss's phase holds of the layer beyond `saved`, what every phase after the forward holds
+    beside), (0, 0) otherwise. The layer's loop of one trip is inlined and its recompute is its
+    forward whatever the policy: XLA:CPU keeps every value `none` keeps as its fp32 matmuls
+    give it; and the layer's weights' fp32 copies and the lookup's fp32 output, twice."""
+    from . import residuals
+
+    m, deg = plan.cfg.model, plan.degrees
+    if plan.layers_per_stage > 1 or m.is_moe or not applies("one_layer_inlined"):
+        return 0, 0
+    c, n = itemsize(m.dtype), plan.tokens_per_microbatch
+    split = deg.tensor if plan.cfg.parallel.sequence_parallel else 1
+    kept = residuals.of(plan).kept("none", split) * n * F32 // c
+    return int(kept - saved), layer_shard(plan) * F32 * (c < F32) + 2 * n * m.d_model * F32
 
 
 def table_gradients(plan) -> int:
@@ -74,11 +91,13 @@ def microbatch_gradients(plan, whole: bool = False) -> int:
 
 
 def zeroed_embedding(plan, always: bool = False) -> int:
-    """Accumulating without a pipeline (`always`: or not), when `tensor` splits the vocabulary:
-    the embedding's zeroed fp32 gradient the lookup's cotangents are scattered into, from a
-    microbatch's forward to its end (its loss's backward too)."""
-    if plan.schedule is not None or plan.degrees.tensor == 1 or \
-            plan.accum_steps == 1 and not always:
+    """Accumulating without a pipeline (`always`: or not): the embedding's zeroed fp32
+    gradient, its compute shard, the lookup's cotangents are scattered into, from a
+    microbatch's forward to its end (its loss's backward too); none where, without `tensor`,
+    the lookup moves them into a gradient split over data (`lookup_moves_cotangents`)."""
+    moved = plan.degrees.tensor == 1 and table_shard(plan, "embed", plan.rules.grads) < \
+        table_shard(plan, "embed")
+    if plan.schedule is not None or moved or plan.accum_steps == 1 and not always:
         return 0
     return table_shard(plan, "embed") * F32
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ..mesh import STAGE
 from . import residuals
-from .accumulation import (expert_gradients, expert_reduce, head_copy, loss_phase,
-                           microbatch_gradients, table_gradients)
+from .accumulation import (expert_gradients, expert_reduce, head_copy, inlined_layer,
+                           loss_phase, microbatch_gradients, table_gradients)
 from .inventory import (F32, itemsize, layer_shard, param_shapes, shard_size, stage_layers,
                         state_bytes, table_shard)
 from .quirks import applies
@@ -370,9 +370,10 @@ def memory(plan) -> dict:
     else:  # the loss (and beside its backward the last layer's recompute), one layer's
         # backward, or the end of an MoE layer's
         redo = applies("recompute_beside_loss") * kinds["layer_redo"]
+        inlined, held = inlined_layer(plan, kinds["saved_activations"])  # a stack of one
         # (an MoE layer's end: its residuals, read out of the stacks, still held)
         reduce = expert_reduce(plan) and expert_reduce(plan) + kinds["layer_kept"]
-        peak = max(loss_phase(plan) + redo, layer, reduce)
+        peak = max(loss_phase(plan) + (inlined or redo), layer, reduce) + held
     for factor in ("w_stash_per_pass", "w_built_per_pass", "layer_redo", "layer_kept"):
         del kinds[factor]
     temp = (kinds["gradients"] + kinds["saved_activations"] + kinds["pipeline_buffers"]

@@ -68,6 +68,11 @@ QUIRKS = {
         "cpu", "without a pipeline, the last layer's recompute under a recomputing policy "
                "(it needs only the layer's saved input) is scheduled during the loss's "
                "backward, beside the loss's working set"),
+    "one_layer_inlined": Quirk(
+        "cpu", "a dense stack of one layer without a pipeline: its loop of one trip is "
+               "inlined and its recompute is its forward (remat none, full and save_dots "
+               "compile alike); the forward's values are kept as its fp32 matmuls give them, "
+               "beside the weights' fp32 copies and the lookup's fp32 output"),
 }
 
 
