@@ -163,7 +163,7 @@ def format_estimate(e: dict, plan, compiled: dict | None = None) -> list[str]:
         f"optimizer state {gb(k['optimizer_state'])}" + versus(mem["argument_bytes"], "argument_bytes"),
         f"  temporaries {gb(mem['temp_bytes']):>8}   gradients {gb(k['gradients'])}, saved "
         f"activations {gb(k['saved_activations'])}, one layer's backward "
-        f"{gb(k['layer_working'] + k['layer_weights'])}, logits/loss {gb(k['logits_loss'])}, pipeline buffers "
+        f"{gb(k['layer_working'])}, logits/loss {gb(k['logits_loss'])}, pipeline buffers "
         f"{gb(k['pipeline_buffers'])}"
         + (f", a microbatch's experts' gradients {gb(k['expert_gradients'])}"
            if k["expert_gradients"] else "")

@@ -44,17 +44,22 @@ def gathered_layers(plan) -> int:
     return stage_layers(plan) * (gathered * itemsize(plan.cfg.model.param_dtype) + F32)
 
 
-def layer_weights(plan) -> int:
-    """Per-device bytes of one layer's weights while its backward runs, when ZeRO splits them
-    over data and no pipeline gathers its stage for the step: under ZeRO-3 the layer gathered
-    in the compute dtype, under ZeRO-2 and 3 its weights' gradient whole over data, in the
-    compute dtype as the matmuls give it and in fp32, before its reduce-scatter; each weight
-    only where its table splits it finer than it computes (not an expert ZeRO leaves whole
-    for want of copies)."""
+def layer_weights(plan, phase: str = "attention") -> int:
+    """Per-device bytes of one layer's weights in a `phase` of its backward, when ZeRO splits
+    them over data and no pipeline gathers its stage for the step. The MLP's, which runs before
+    any of the layer's weight gradients is made, holds the layer ZeRO-3 gathered as its dots
+    read it (fp32 copies of narrow weights, quirk `dot_operand_copies`: LLaMA-3 8B's and 70B's
+    dumps); the attention's, the gathered layer in the compute dtype and, under ZeRO-2 and 3,
+    its weights' gradient whole over data, in the compute dtype as the matmuls give it and in
+    fp32, before its reduce-scatter. Each weight only where its table splits it finer than it
+    computes (not an expert ZeRO leaves whole for want of copies)."""
     rules = plan.rules
     if plan.schedule is not None or plan.degrees.zero == 1 or not rules.grads_over_batch:
         return 0
     c = itemsize(plan.cfg.model.dtype)
+    if phase == "mlp":
+        read = F32 if c < F32 and applies("dot_operand_copies") else c
+        return _split_finer(plan, rules.params) * read // plan.layers_per_stage
     return (_split_finer(plan, rules.params) * c + _split_finer(plan, rules.grads) * (c + F32)) \
         // plan.layers_per_stage
 
@@ -222,7 +227,9 @@ def activation_bytes(plan) -> dict:
     # one layer's backward, in two phases (the MLP's runs first): the MLP's holds all the layer
     # recomputes (all it would keep under `none`, less what the policy kept) and the MLP's
     # matmul operands; the attention's its own recompute, its kernel's working set
-    # (`_kernel_working`) and the MLP weights' gradient (an MoE layer in 1F1B's slot: less
+    # (`_kernel_working`) and the MLP weights' gradient; each the weights ZeRO gathers for
+    # it and, in the attention's, the layer's whole gradient (`layer_weights`) (an MoE
+    # layer in 1F1B's slot: less
     # what its MLP kept, fitted, no mechanism found: `test_estimate`'s MoE 1F1B layout at
     # 1.015 with it, 1.050 without); both the projections' output
     # cotangents and an offloading policy's residuals, back on the device
@@ -238,8 +245,9 @@ def activation_bytes(plan) -> dict:
     # the zeroed table the gather's gradient scatters into and the matmul's result
     rows_ct = (s is None) * 2 * rows * m.d_model * itemsize(m.dtype)
     working = (layer.projection_outputs + layer.on_host(inner, split)
-               + max(redo + (mlp_operands(plan) + mlp_gradient(plan, "mlp")) / n + rows_ct,
-                     attention))
+               + max(redo + rows_ct + (mlp_operands(plan) + mlp_gradient(plan, "mlp")
+                                       + layer_weights(plan, "mlp")) / n,
+                     attention + layer_weights(plan) / n))
     if m.is_moe and s is not None and deg.tensor > 1:
         # inside a pipeline the compiler sums the experts' partial outputs over `tensor` itself
         # (`traffic.transfers`): the backward's three sums of [R, D] (R = expert x tokens x
@@ -342,15 +350,13 @@ def memory(plan) -> dict:
     loss_head = sharded * head if s is None and plan.accum_steps > 1 else 0
     kinds["head_gradients"] = (sharded + 2 * lockstep) * head - loss_head + \
         m.mtp_layers * (head + embed * F32)
-    kinds["layer_weights"] = layer_weights(plan)
     kinds["expert_gradients"] = expert_gradients(plan)
     # HSDP accumulating: a microbatch's layer gradients reduced whole over the group
     kinds["whole_gradients"] = stage_layers(plan) * F32 if (
         s is None and plan.accum_steps > 1 and sharded and plan.degrees.replicate > 1
         and applies("hsdp_reduces_whole")) else 0
     kinds["microbatch_gradients"] = microbatch_gradients(plan, kinds["whole_gradients"] > 0)
-    loss, layer = kinds["logits_loss"], (kinds["layer_working"] + kinds["layer_weights"]
-                                         + kinds["microbatch_gradients"])
+    loss, layer = kinds["logits_loss"], kinds["layer_working"] + kinds["microbatch_gradients"]
     deg = plan.degrees
     c, sp = itemsize(m.dtype), plan.cfg.parallel.sequence_parallel and deg.tensor > 1
     if (plan.attention == "ulysses" and s is None and plan.accum_steps == 1 and not sp
