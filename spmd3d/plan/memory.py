@@ -227,11 +227,10 @@ def activation_bytes(plan) -> dict:
     # one layer's backward, in two phases (the MLP's runs first): the MLP's holds all the layer
     # recomputes (all it would keep under `none`, less what the policy kept) and the MLP's
     # matmul operands; the attention's its own recompute, its kernel's working set
-    # (`_kernel_working`) and the MLP weights' gradient; each the weights ZeRO gathers for
-    # it and, in the attention's, the layer's whole gradient (`layer_weights`) (an MoE
-    # layer in 1F1B's slot: less
+    # (`_kernel_working`) and the MLP weights' gradient (an MoE layer in 1F1B's slot: less
     # what its MLP kept, fitted, no mechanism found: `test_estimate`'s MoE 1F1B layout at
-    # 1.015 with it, 1.050 without); both the projections' output
+    # 1.015 with it, 1.050 without); each the weights ZeRO gathers for it, and the
+    # attention's the layer's whole gradient (`layer_weights`); both the projections' output
     # cotangents and an offloading policy's residuals, back on the device
     redo = kept("none") - kept(inner)
     lockstep_moe = cfg.model.is_moe and s is not None and s.mode == "lockstep"
